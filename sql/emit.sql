@@ -1,0 +1,69 @@
+-- outbox_ext: emit. Writes events in the caller's transaction: they exist if and only if it
+-- commits. Validation and ids come from outbox._event_id (Rust); a bad row raises and the
+-- statement writes nothing.
+
+CREATE FUNCTION outbox.emit(
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        jsonb,
+    headers        jsonb DEFAULT NULL,
+    topic          text  DEFAULT NULL
+) RETURNS uuid
+    LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    new_id uuid := outbox._event_id(aggregate_type, aggregate_id, event_type,
+                                    pg_column_size(payload), headers, topic);
+BEGIN
+    INSERT INTO outbox.events
+        (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, shard)
+    VALUES
+        (new_id, topic, aggregate_type, aggregate_id, event_type, payload, headers,
+         outbox.shard_of(aggregate_id));
+    RETURN new_id;
+END
+$$;
+COMMENT ON FUNCTION outbox.emit(text, text, text, jsonb, jsonb, text) IS
+    'Writes one event in the caller''s transaction and returns its id. '
+    'Example: SELECT outbox.emit(''order'', ''42'', ''order.created'', ''{"total": 10}'');';
+
+CREATE FUNCTION outbox.emit_many(
+    aggregate_type text,
+    event_type     text,
+    aggregate_ids  text[],
+    payloads       jsonb[],
+    headers        jsonb DEFAULT NULL,
+    topic          text  DEFAULT NULL
+) RETURNS SETOF uuid
+    LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF aggregate_ids IS NULL OR payloads IS NULL THEN
+        RAISE EXCEPTION 'aggregate_ids and payloads must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass one aggregate id and one payload per event, as arrays.';
+    END IF;
+    IF cardinality(aggregate_ids) <> cardinality(payloads) THEN
+        RAISE EXCEPTION 'aggregate_ids has % elements but payloads has %',
+                cardinality(aggregate_ids), cardinality(payloads)
+            USING ERRCODE = 'array_subscript_error',
+                  HINT = 'Pass one payload per aggregate id, in the same order.';
+    END IF;
+    RETURN QUERY
+    INSERT INTO outbox.events AS e
+        (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, shard)
+    SELECT outbox._event_id(emit_many.aggregate_type, u.key, emit_many.event_type,
+                            pg_column_size(u.payload), emit_many.headers, emit_many.topic),
+           emit_many.topic, emit_many.aggregate_type, u.key, emit_many.event_type,
+           u.payload, emit_many.headers, outbox.shard_of(u.key)
+    FROM unnest(aggregate_ids, payloads) AS u(key, payload)
+    RETURNING e.id;
+END
+$$;
+COMMENT ON FUNCTION outbox.emit_many(text, text, text[], jsonb[], jsonb, text) IS
+    'Writes one event per (aggregate id, payload) pair in one statement, in array order, and '
+    'returns their ids. Example: SELECT outbox.emit_many(''order'', ''order.created'', '
+    'ARRAY[''1'',''2''], ARRAY[''{}''::jsonb, ''{}'']);';

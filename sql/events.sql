@@ -1,0 +1,49 @@
+-- outbox_ext: the event log.
+--
+-- Insert-only on the hot path and partitioned by time: storage is reclaimed by dropping
+-- partitions, never by UPDATE or DELETE, so a long transaction holding back vacuum cannot
+-- bloat it. Each row carries what a reader needs to read in commit order without gaps:
+-- the writing transaction (txid), the emit order (seq) and the shard of its key.
+
+CREATE SEQUENCE outbox.event_seq AS bigint CACHE 1;
+COMMENT ON SEQUENCE outbox.event_seq IS
+    'Emit order of events. CACHE 1 on purpose: a per-session cache would break emit order across sessions.';
+
+-- The shard count is fixed: changing it would move keys between shards and break per-key order.
+CREATE FUNCTION outbox.shard_count() RETURNS int
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN 16;
+COMMENT ON FUNCTION outbox.shard_count() IS 'Number of shards events are spread over (fixed).';
+
+CREATE FUNCTION outbox.shard_of(aggregate_id text) RETURNS int
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN ((pg_catalog.hashtextextended(aggregate_id, 0) % outbox.shard_count())
+            + outbox.shard_count()) % outbox.shard_count();
+COMMENT ON FUNCTION outbox.shard_of(text) IS
+    'Shard of an aggregate id: every event of one key lands in one shard, which keeps its order.';
+
+CREATE TABLE outbox.events (
+    id             uuid        NOT NULL,
+    topic          text,
+    aggregate_type text        NOT NULL,
+    aggregate_id   text        NOT NULL,
+    event_type     text        NOT NULL,
+    payload        jsonb,
+    headers        jsonb,
+    created_at     timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    txid           xid8        NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
+    seq            bigint      NOT NULL DEFAULT pg_catalog.nextval('outbox.event_seq'),
+    shard          int         NOT NULL
+) PARTITION BY RANGE (created_at);
+
+-- The one index readers need: a shard's events by writing transaction, then emit order.
+CREATE INDEX events_read_idx ON outbox.events (shard, txid, seq);
+
+COMMENT ON TABLE outbox.events IS
+    'The event log: one row per emitted event, written only by outbox.emit and outbox.emit_many.';
+COMMENT ON COLUMN outbox.events.id IS 'Event id, a time-ordered UUID (v7); the idempotency key sinks see.';
+COMMENT ON COLUMN outbox.events.topic IS 'Destination topic, or NULL for the sink''s routing default.';
+COMMENT ON COLUMN outbox.events.aggregate_id IS 'The key: events of one key are delivered in commit order.';
+COMMENT ON COLUMN outbox.events.txid IS 'Writing transaction; readers use it to read in commit order.';
+COMMENT ON COLUMN outbox.events.seq IS 'Emit order; orders events inside one commit window.';
+COMMENT ON COLUMN outbox.events.shard IS 'outbox.shard_of(aggregate_id).';

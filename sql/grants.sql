@@ -1,0 +1,24 @@
+-- outbox_ext: privileges, all in one place. Runs last (finalize).
+--
+-- Nothing is granted to PUBLIC. Producers reach the event log only through the SECURITY
+-- DEFINER emit functions (which pin search_path); they cannot read events or configuration.
+
+REVOKE ALL ON SCHEMA outbox, inbox FROM PUBLIC;
+REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox FROM PUBLIC;
+
+GRANT outbox_producer, outbox_relay TO outbox_admin;
+GRANT USAGE ON SCHEMA outbox, inbox TO outbox_producer, outbox_relay, outbox_admin;
+
+GRANT EXECUTE ON FUNCTION
+    outbox.emit(text, text, text, jsonb, jsonb, text),
+    outbox.emit_many(text, text, text[], jsonb[], jsonb, text),
+    outbox.uuid_v7(),
+    outbox.shard_count(),
+    outbox.shard_of(text)
+TO outbox_producer;
+
+GRANT SELECT ON outbox.events TO outbox_relay;
+GRANT ALL ON ALL TABLES IN SCHEMA outbox TO outbox_admin;
+GRANT EXECUTE ON FUNCTION outbox._ensure_partitions(regclass, interval, int) TO outbox_admin;

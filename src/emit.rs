@@ -1,0 +1,130 @@
+//! Emit: validation of one event and its time-ordered id. The INSERT itself lives in
+//! `sql/emit.sql` so that it runs as a cached plan in the caller's transaction.
+
+use crate::errors::{OrRaise, OutboxError};
+use crate::gucs;
+use pgrx::prelude::*;
+use pgrx::{JsonB, Uuid};
+use serde_json::Value;
+
+extension_sql_file!("../sql/events.sql", name = "events", requires = ["roles"]);
+extension_sql_file!("../sql/emit.sql", name = "emit", requires = ["events", event_id]);
+
+/// A new version-7 UUID: 48 bits of Unix milliseconds, then a counter and random bits, so ids
+/// sort by creation time and stay unique across backends.
+#[pg_extern(schema = "outbox", volatile, parallel_safe)]
+fn uuid_v7() -> Uuid {
+    Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
+}
+
+/// Checks one event's fields and returns the id to store it under. Called by `outbox.emit` and
+/// `outbox.emit_many` for every row, so a bad row aborts the statement and nothing is written.
+#[pg_extern(schema = "outbox", name = "_event_id", volatile, parallel_safe)]
+fn event_id(
+    aggregate_type: Option<&str>,
+    aggregate_id: Option<&str>,
+    event_type: Option<&str>,
+    payload_bytes: Option<i32>,
+    headers: Option<JsonB>,
+    topic: Option<&str>,
+) -> Uuid {
+    required("aggregate_type", aggregate_type).or_raise();
+    required("aggregate_id", aggregate_id).or_raise();
+    required("event_type", event_type).or_raise();
+    check_payload_size(payload_bytes.map(i64::from), gucs::max_payload_bytes()).or_raise();
+    if let Some(JsonB(headers)) = &headers {
+        check_headers(headers).or_raise();
+    }
+    if let Some(topic) = topic {
+        check_topic(topic).or_raise();
+    }
+    uuid_v7()
+}
+
+pub fn required(name: &'static str, value: Option<&str>) -> Result<(), OutboxError> {
+    match value {
+        None => Err(OutboxError::NullArgument(name)),
+        Some("") => Err(OutboxError::EmptyArgument(name)),
+        Some(_) => Ok(()),
+    }
+}
+
+pub fn check_payload_size(bytes: Option<i64>, limit: i64) -> Result<(), OutboxError> {
+    match bytes {
+        Some(bytes) if bytes > limit => Err(OutboxError::PayloadTooLarge { bytes, limit }),
+        _ => Ok(()),
+    }
+}
+
+/// Headers travel as Kafka record headers and HTTP headers: a flat object of strings.
+pub fn check_headers(headers: &Value) -> Result<(), OutboxError> {
+    let Value::Object(map) = headers else {
+        return Err(OutboxError::InvalidHeaders("not a JSON object".into()));
+    };
+    for (name, value) in map {
+        if name.is_empty() {
+            return Err(OutboxError::InvalidHeaders("a header name is empty".into()));
+        }
+        if !value.is_string() {
+            return Err(OutboxError::InvalidHeaders(format!(
+                "the value of \"{name}\" is not a string"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Kafka's rule for topic names, which also keeps them safe in URLs.
+pub fn check_topic(topic: &str) -> Result<(), OutboxError> {
+    let legal = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    let ok = !topic.is_empty()
+        && topic.len() <= 249
+        && topic != "."
+        && topic != ".."
+        && topic.chars().all(legal);
+    if ok {
+        Ok(())
+    } else {
+        Err(OutboxError::InvalidTopic(topic.into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn topics() {
+        assert!(check_topic("orders.v1-eu_2").is_ok());
+        for bad in ["", ".", "..", "a b", "a/b", "é", &"x".repeat(250)] {
+            assert!(check_topic(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn headers() {
+        assert!(check_headers(&json!({"a": "1", "b": ""})).is_ok());
+        assert!(check_headers(&json!({})).is_ok());
+        for bad in [json!([]), json!("x"), json!({"a": 1}), json!({"a": null}), json!({"": "x"})] {
+            assert!(check_headers(&bad).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn payload_size() {
+        assert!(check_payload_size(Some(10), 10).is_ok());
+        assert!(check_payload_size(None, 0).is_ok());
+        assert_eq!(
+            check_payload_size(Some(11), 10),
+            Err(OutboxError::PayloadTooLarge { bytes: 11, limit: 10 })
+        );
+    }
+
+    #[test]
+    fn required_fields() {
+        assert_eq!(required("k", None), Err(OutboxError::NullArgument("k")));
+        assert_eq!(required("k", Some("")), Err(OutboxError::EmptyArgument("k")));
+        assert!(required("k", Some(" ")).is_ok());
+    }
+}

@@ -1,0 +1,83 @@
+//! The one error type of outbox_ext. Every user mistake maps to its own SQLSTATE and a hint
+//! that names the fix; nothing a user can cause ends as XX000.
+
+use pgrx::pg_sys::panic::ErrorReport;
+use pgrx::{PgLogLevel, PgSqlErrorCode};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutboxError {
+    /// A required argument was NULL.
+    NullArgument(&'static str),
+    /// A required text argument was empty.
+    EmptyArgument(&'static str),
+    /// The payload is larger than `outbox_ext.max_payload_bytes`.
+    PayloadTooLarge { bytes: i64, limit: i64 },
+    /// `headers` is not a JSON object whose values are all strings.
+    InvalidHeaders(String),
+    /// The topic is not a valid Kafka topic name.
+    InvalidTopic(String),
+}
+
+impl OutboxError {
+    fn sqlstate(&self) -> PgSqlErrorCode {
+        use PgSqlErrorCode::*;
+        match self {
+            OutboxError::NullArgument(_) => ERRCODE_NULL_VALUE_NOT_ALLOWED,
+            OutboxError::EmptyArgument(_) => ERRCODE_INVALID_PARAMETER_VALUE,
+            OutboxError::PayloadTooLarge { .. } => ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+            OutboxError::InvalidHeaders(_) => ERRCODE_INVALID_PARAMETER_VALUE,
+            OutboxError::InvalidTopic(_) => ERRCODE_INVALID_NAME,
+        }
+    }
+
+    fn message(&self) -> String {
+        match self {
+            OutboxError::NullArgument(arg) => format!("{arg} must not be NULL"),
+            OutboxError::EmptyArgument(arg) => format!("{arg} must not be empty"),
+            OutboxError::PayloadTooLarge { bytes, limit } => {
+                format!("payload is {bytes} bytes, over the limit of {limit} bytes")
+            }
+            OutboxError::InvalidHeaders(why) => format!("invalid headers: {why}"),
+            OutboxError::InvalidTopic(topic) => format!("invalid topic name \"{topic}\""),
+        }
+    }
+
+    fn hint(&self) -> String {
+        match self {
+            OutboxError::NullArgument("aggregate_id") | OutboxError::EmptyArgument("aggregate_id") => {
+                "Pass the aggregate id: it is the key that orders events and picks their shard.".into()
+            }
+            OutboxError::NullArgument(arg) | OutboxError::EmptyArgument(arg) => {
+                format!("Pass a non-empty {arg}.")
+            }
+            OutboxError::PayloadTooLarge { .. } => "Store large bodies elsewhere and emit a reference, \
+                 or raise outbox_ext.max_payload_bytes."
+                .into(),
+            OutboxError::InvalidHeaders(_) => {
+                "Pass headers as a JSON object of strings, e.g. '{\"trace-id\": \"abc\"}'.".into()
+            }
+            OutboxError::InvalidTopic(_) => "A topic is 1 to 249 characters of ASCII letters, \
+                 digits, '.', '_' and '-', and not \".\" or \"..\"; or NULL for the default."
+                .into(),
+        }
+    }
+
+    /// Raise this error as a PostgreSQL ERROR; the current transaction aborts.
+    pub fn raise(self) -> ! {
+        ErrorReport::new(self.sqlstate(), self.message(), "outbox_ext")
+            .set_hint(self.hint())
+            .report(PgLogLevel::ERROR);
+        unreachable!("ERROR does not return")
+    }
+}
+
+/// Unwrap a result, raising the error as a PostgreSQL ERROR.
+pub trait OrRaise<T> {
+    fn or_raise(self) -> T;
+}
+
+impl<T> OrRaise<T> for Result<T, OutboxError> {
+    fn or_raise(self) -> T {
+        self.unwrap_or_else(|e| e.raise())
+    }
+}

@@ -1,0 +1,17 @@
+//! outbox_ext: the transactional outbox inside PostgreSQL.
+//!
+//! Events are written in the caller's transaction (`emit`), read in commit order per shard
+//! (`claim`), and delivered by a background worker (`worker`, `sinks`).
+
+mod emit;
+mod errors;
+mod gucs;
+mod partitions;
+mod roles;
+
+pgrx::pg_module_magic!();
+
+#[pgrx::pg_guard]
+pub extern "C-unwind" fn _PG_init() {
+    gucs::init();
+}
