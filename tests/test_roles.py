@@ -1,0 +1,92 @@
+"""Privileges: a producer can only emit; nothing is granted to PUBLIC; SECURITY DEFINER
+functions pin their search_path."""
+
+import psycopg
+import pytest
+
+
+def test_producer_can_emit(connect, db):
+    producer = connect("producer_user")
+    producer.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
+    producer.execute("SELECT outbox.emit_many('a', 'e', '{2,3}', '{\"{}\",\"{}\"}')")
+    assert db.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 3
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT * FROM outbox.events",
+    "SELECT * FROM outbox.events_default",
+    "SELECT count(*) FROM outbox.events",
+    "INSERT INTO outbox.events (id, aggregate_type, aggregate_id, event_type, shard) "
+    "VALUES (gen_random_uuid(), 'a', '1', 'e', 0)",
+    "DELETE FROM outbox.events",
+    "SELECT nextval('outbox.event_seq')",
+    "SELECT outbox._ensure_partitions('outbox.events', '1 day', 1)",
+    "SELECT outbox._event_id('a', '1', 'e', 1, NULL, NULL)",
+])
+def test_producer_cannot_read_or_touch_events_or_internals(connect, db, sql):
+    db.execute("SELECT outbox.emit('a', '1', 'e', '{\"secret\": 1}')")
+    producer = connect("producer_user")
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        producer.execute(sql)
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT outbox.emit('a', '1', 'e', '{}')",
+    "SELECT * FROM outbox.events",
+    "SELECT outbox.uuid_v7()",
+])
+def test_a_role_without_grants_gets_nothing(connect, sql):
+    nobody = connect("nobody_user")
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        nobody.execute(sql)
+
+
+def test_relay_reads_events_but_cannot_emit(connect, db):
+    db.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
+    relay = connect("relay_user")
+    assert relay.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 1
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        relay.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
+
+
+def test_admin_can_do_everything(connect):
+    admin = connect("admin_user")
+    admin.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
+    assert admin.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 1
+
+
+def test_nothing_in_the_extension_is_granted_to_public(db):
+    public_grants = db.execute("""
+        SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace,
+               aclexplode(coalesce(c.relacl, acldefault('r', c.relowner))) a
+         WHERE n.nspname IN ('outbox', 'inbox') AND a.grantee = 0
+        UNION ALL
+        SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace,
+               aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a
+         WHERE n.nspname IN ('outbox', 'inbox') AND a.grantee = 0
+        UNION ALL
+        SELECT n.nspname FROM pg_namespace n, aclexplode(n.nspacl) a
+         WHERE n.nspname IN ('outbox', 'inbox') AND a.grantee = 0""").fetchall()
+    assert public_grants == []
+
+
+def test_security_definer_functions_pin_search_path(db):
+    unpinned = db.execute("""
+        SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+         WHERE n.nspname IN ('outbox', 'inbox') AND p.prosecdef
+           AND NOT coalesce(p.proconfig, '{}') && ARRAY['search_path=pg_catalog, pg_temp']""").fetchall()
+    assert unpinned == []
+    assert db.execute("""SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                          WHERE n.nspname = 'outbox' AND p.prosecdef""").fetchone()[0] >= 2
+
+
+def test_a_hostile_search_path_does_not_reach_emit(connect, db):
+    """A producer who shadows functions and operators in its own schema still gets a real event."""
+    db.execute("CREATE SCHEMA evil; GRANT ALL ON SCHEMA evil TO producer_user")
+    producer = connect("producer_user")
+    producer.execute("""CREATE FUNCTION evil.nextval(regclass) RETURNS bigint LANGUAGE sql AS 'SELECT -1::bigint';
+                        CREATE FUNCTION evil.now() RETURNS timestamptz LANGUAGE sql AS $$SELECT 'epoch'::timestamptz$$""")
+    producer.execute("SET search_path = evil, pg_catalog")
+    producer.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
+    seq, old = db.execute("SELECT seq, created_at < now() - interval '1 day' FROM outbox.events").fetchone()
+    assert seq > 0 and not old
