@@ -63,7 +63,8 @@ install_python() {
 # Private PostgreSQL trees: `cargo pgrx install` writes into them, never into /usr, so a
 # running system cluster is never hit by a library swapped under it.
 prepare_pg_trees() {
-    if [ ! -x "$(pg_config_of 15)" ] || [ "$PG15_SYSTEM/bin/postgres" -nt "$(pg_config_of 15)" ]; then
+    if [ ! -x "$(pg_config_of 15)" ] || [ "$PG15_SYSTEM/bin/postgres" -nt "$(pg_config_of 15)" ] \
+        || [ ! -f "$PG_TREES/15/usr/share/postgresql/15/extension/pgq.control" ]; then
         log "private copy of PostgreSQL 15"
         rm -rf "$PG_TREES/15"
         mkdir -p "$PG_TREES/15/usr/lib/postgresql" "$PG_TREES/15/usr/share/postgresql" "$PG_TREES/15/usr/include"

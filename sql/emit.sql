@@ -40,6 +40,8 @@ CREATE FUNCTION outbox.emit_many(
     LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    ids uuid[];
 BEGIN
     IF aggregate_ids IS NULL OR payloads IS NULL THEN
         RAISE EXCEPTION 'aggregate_ids and payloads must not be NULL'
@@ -52,15 +54,14 @@ BEGIN
             USING ERRCODE = 'array_subscript_error',
                   HINT = 'Pass one payload per aggregate id, in the same order.';
     END IF;
-    RETURN QUERY
-    INSERT INTO outbox.events AS e
+    ids := outbox._batch_ids(aggregate_type, event_type, headers, topic, aggregate_ids,
+                             (SELECT max(pg_column_size(p)) FROM unnest(payloads) AS p));
+    INSERT INTO outbox.events
         (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, shard)
-    SELECT outbox._event_id(emit_many.aggregate_type, u.key, emit_many.event_type,
-                            pg_column_size(u.payload), emit_many.headers, emit_many.topic),
-           emit_many.topic, emit_many.aggregate_type, u.key, emit_many.event_type,
+    SELECT u.id, emit_many.topic, emit_many.aggregate_type, u.key, emit_many.event_type,
            u.payload, emit_many.headers, outbox.shard_of(u.key)
-    FROM unnest(aggregate_ids, payloads) AS u(key, payload)
-    RETURNING e.id;
+    FROM unnest(ids, aggregate_ids, payloads) AS u(id, key, payload);
+    RETURN QUERY SELECT unnest(ids);
 END
 $$;
 COMMENT ON FUNCTION outbox.emit_many(text, text, text[], jsonb[], jsonb, text) IS

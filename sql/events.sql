@@ -10,15 +10,17 @@ COMMENT ON SEQUENCE outbox.event_seq IS
     'Emit order of events. CACHE 1 on purpose: a per-session cache would break emit order across sessions.';
 
 -- The shard count is fixed: changing it would move keys between shards and break per-key order.
+-- Both functions are STRICT and IMMUTABLE so that the planner inlines shard_of (and the
+-- count) into emit's INSERT; a call that is not inlined is re-planned on every execution.
 CREATE FUNCTION outbox.shard_count() RETURNS int
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN 16;
 COMMENT ON FUNCTION outbox.shard_count() IS 'Number of shards events are spread over (fixed).';
 
 CREATE FUNCTION outbox.shard_of(aggregate_id text) RETURNS int
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    RETURN ((pg_catalog.hashtextextended(aggregate_id, 0) % outbox.shard_count())
-            + outbox.shard_count()) % outbox.shard_count();
+    RETURN (((pg_catalog.hashtextextended(aggregate_id, 0) % outbox.shard_count())
+             + outbox.shard_count()) % outbox.shard_count())::int;
 COMMENT ON FUNCTION outbox.shard_of(text) IS
     'Shard of an aggregate id: every event of one key lands in one shard, which keeps its order.';
 

@@ -45,6 +45,40 @@ fn event_id(
     uuid_v7()
 }
 
+/// Checks a whole `emit_many` batch (fields shared by the batch once, keys one by one, the
+/// largest payload against the limit) and returns one id per event, in order: one call per
+/// batch instead of one per event keeps bulk emit close to a plain INSERT.
+#[pg_extern(schema = "outbox", name = "_batch_ids", volatile, parallel_safe)]
+fn batch_ids(
+    aggregate_type: Option<&str>,
+    event_type: Option<&str>,
+    headers: Option<JsonB>,
+    topic: Option<&str>,
+    aggregate_ids: Array<&str>,
+    largest_payload_bytes: Option<i32>,
+) -> Vec<Uuid> {
+    required("aggregate_type", aggregate_type).or_raise();
+    required("event_type", event_type).or_raise();
+    if let Some(JsonB(headers)) = &headers {
+        check_headers(headers).or_raise();
+    }
+    if let Some(topic) = topic {
+        check_topic(topic).or_raise();
+    }
+    check_payload_size(
+        largest_payload_bytes.map(i64::from),
+        gucs::max_payload_bytes(),
+    )
+    .or_raise();
+    aggregate_ids
+        .iter()
+        .map(|key| {
+            required("aggregate_id", key).or_raise();
+            uuid_v7()
+        })
+        .collect()
+}
+
 pub fn required(name: &'static str, value: Option<&str>) -> Result<(), OutboxError> {
     match value {
         None => Err(OutboxError::NullArgument(name)),
