@@ -16,11 +16,13 @@ AS $$
 DECLARE
     new_id uuid := outbox._event_id(aggregate_type, aggregate_id, event_type,
                                     pg_column_size(payload), headers, topic);
+    -- The xid first, then the seq (the column default, evaluated by the INSERT): see events.seq.
+    tx xid8 := pg_current_xact_id();
 BEGIN
     INSERT INTO outbox.events
-        (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, shard)
+        (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, txid, shard)
     VALUES
-        (new_id, topic, aggregate_type, aggregate_id, event_type, payload, headers,
+        (new_id, topic, aggregate_type, aggregate_id, event_type, payload, headers, tx,
          outbox.shard_of(aggregate_id));
     RETURN new_id;
 END
@@ -42,6 +44,7 @@ CREATE FUNCTION outbox.emit_many(
 AS $$
 DECLARE
     ids uuid[];
+    tx  xid8 := pg_current_xact_id();  -- before any seq is taken: see events.seq
 BEGIN
     IF aggregate_ids IS NULL OR payloads IS NULL THEN
         RAISE EXCEPTION 'aggregate_ids and payloads must not be NULL'
@@ -57,9 +60,9 @@ BEGIN
     ids := outbox._batch_ids(aggregate_type, event_type, headers, topic, aggregate_ids,
                              (SELECT max(pg_column_size(p)) FROM unnest(payloads) AS p));
     INSERT INTO outbox.events
-        (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, shard)
+        (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, txid, shard)
     SELECT u.id, emit_many.topic, emit_many.aggregate_type, u.key, emit_many.event_type,
-           u.payload, emit_many.headers, outbox.shard_of(u.key)
+           u.payload, emit_many.headers, tx, outbox.shard_of(u.key)
     FROM unnest(ids, aggregate_ids, payloads) AS u(id, key, payload);
     RETURN QUERY SELECT unnest(ids);
 END

@@ -38,8 +38,10 @@ CREATE TABLE outbox.events (
     shard          int         NOT NULL
 ) PARTITION BY RANGE (created_at);
 
--- The one index readers need: a shard's events by writing transaction, then emit order.
-CREATE INDEX events_read_idx ON outbox.events (shard, txid, seq);
+-- The one index readers need: a shard's events in emit order. Claims page through a commit
+-- window by seq (linear however large the window); txid is a key column so that window
+-- bounds on it are checked in the index, without visiting the heap.
+CREATE INDEX events_read_idx ON outbox.events (shard, seq, txid);
 
 COMMENT ON TABLE outbox.events IS
     'The event log: one row per emitted event, written only by outbox.emit and outbox.emit_many.';
@@ -47,5 +49,8 @@ COMMENT ON COLUMN outbox.events.id IS 'Event id, a time-ordered UUID (v7); the i
 COMMENT ON COLUMN outbox.events.topic IS 'Destination topic, or NULL for the sink''s routing default.';
 COMMENT ON COLUMN outbox.events.aggregate_id IS 'The key: events of one key are delivered in commit order.';
 COMMENT ON COLUMN outbox.events.txid IS 'Writing transaction; readers use it to read in commit order.';
-COMMENT ON COLUMN outbox.events.seq IS 'Emit order; orders events inside one commit window.';
+COMMENT ON COLUMN outbox.events.seq IS
+    'Emit order; orders events inside one commit window. Taken after the transaction has its xid '
+    '(emit assigns it first), which claims rely on: a transaction whose xid is newer than a '
+    'snapshot has only events with a seq above the seq read before that snapshot.';
 COMMENT ON COLUMN outbox.events.shard IS 'outbox.shard_of(aggregate_id).';

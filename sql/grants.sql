@@ -20,5 +20,18 @@ GRANT EXECUTE ON FUNCTION
 TO outbox_producer;
 
 GRANT SELECT ON outbox.events TO outbox_relay;
+GRANT EXECUTE ON FUNCTION
+    outbox.claim(text, int, interval, text),
+    outbox.ack(text, int, bigint),
+    outbox.nack(text, int, bigint, uuid, text, interval),
+    outbox.release(text, int, bigint, interval),
+    outbox.shard_count(),
+    outbox.shard_of(text)
+TO outbox_relay;
+GRANT EXECUTE ON FUNCTION
+    outbox.create_consumer(text, boolean, int, interval, interval),
+    outbox.drop_consumer(text),
+    outbox.replay(text, text)
+TO outbox_admin;
 GRANT ALL ON ALL TABLES IN SCHEMA outbox TO outbox_admin;
 GRANT EXECUTE ON FUNCTION outbox._ensure_partitions(regclass, interval, int) TO outbox_admin;

@@ -1,0 +1,411 @@
+"""Claims: commit order without gaps, per-key order across parallel relays, leases and epochs,
+key isolation with retries, dead letters and replay; no UPDATE or DELETE of event rows."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import defaultdict
+
+import psycopg
+import pytest
+
+from relay import Relay
+
+
+def emit(conn, key: str, n: int = 1, event_type: str = "e", payload: str = "{}") -> None:
+    for _ in range(n):
+        conn.execute("SELECT outbox.emit('order', %s, %s, %s::jsonb)", (key, event_type, payload))
+
+
+def committed_events(db) -> list[tuple]:
+    return db.execute("SELECT id, aggregate_id, seq FROM outbox.events ORDER BY seq").fetchall()
+
+
+def keys_in_shard(db, shard: int, n: int) -> list[str]:
+    return [r[0] for r in db.execute(
+        "SELECT k FROM (SELECT 'key-' || i AS k FROM generate_series(1, 10000) i) s "
+        "WHERE outbox.shard_of(k) = %s LIMIT %s", (shard, n)).fetchall()]
+
+
+@pytest.fixture
+def consumer(db):
+    db.execute("SELECT outbox.create_consumer('sink', backoff_base => '10 ms', backoff_max => '50 ms')")
+    return "sink"
+
+
+def test_each_committed_event_once_in_commit_order(db, consumer):
+    for i in range(300):
+        emit(db, f"k{i % 7}", payload=f'{{"i": {i}}}')
+    delivered = Relay(db, consumer, batch_size=25).drain()
+    assert sorted(e.seq for e in delivered) == [r[2] for r in committed_events(db)]
+    per_key = defaultdict(list)
+    for e in delivered:
+        per_key[e.aggregate_id].append(e.seq)
+    assert all(seqs == sorted(seqs) for seqs in per_key.values())
+    assert Relay(db, consumer).claim() == []
+
+
+def test_a_transaction_that_commits_late_is_not_skipped(db, connect, consumer):
+    """A emits first (lower seq and id) but commits after B: an id cursor would skip A."""
+    a = connect(autocommit=False)
+    emit(a, "a")                      # seq 1, uncommitted
+    emit(db, "b")                     # seq 2, committed
+    relay = Relay(db, consumer)
+    first = relay.drain()
+    assert [e.aggregate_id for e in first] == ["b"]
+    last_seq_seen = max(e.seq for e in first)
+    a.commit()
+    a_seq = db.execute("SELECT seq FROM outbox.events WHERE aggregate_id = 'a'").fetchone()[0]
+    assert a_seq < last_seq_seen, "the trap: a 'seq > last seen' cursor would never return A"
+    assert [e.aggregate_id for e in relay.drain()] == ["a"]
+
+
+def test_a_long_open_writer_across_many_windows(db, connect, consumer):
+    long_tx = connect(autocommit=False)
+    emit(long_tx, "long", 3)
+    relay = Relay(db, consumer, batch_size=5)
+    seen = []
+    for i in range(20):               # many windows open and close while it stays open
+        emit(db, f"k{i}", 2)
+        seen += relay.drain()
+    assert "long" not in {e.aggregate_id for e in seen}
+    emit(long_tx, "long", 2)
+    long_tx.commit()
+    late = relay.drain()
+    assert [e.aggregate_id for e in late] == ["long"] * 5
+    assert [e.seq for e in late] == sorted(e.seq for e in late)
+    assert len(seen) + len(late) == len(committed_events(db))
+
+
+def test_uncommitted_and_rolled_back_events_are_never_claimed(db, connect, consumer):
+    open_tx = connect(autocommit=False)
+    emit(open_tx, "open")
+    rolled = connect(autocommit=False)
+    emit(rolled, "rolled")
+    rolled.rollback()
+    emit(db, "done")
+    assert [e.aggregate_id for e in Relay(db, consumer).drain()] == ["done"]
+    open_tx.rollback()
+    assert Relay(db, consumer).drain() == []
+
+
+def test_concurrent_writers_with_random_rollbacks(cluster, dbname, db, consumer):
+    committed: set = set()
+    lock = threading.Lock()
+
+    def writer(w: int) -> None:
+        rnd = random.Random(w)
+        with cluster.connect(dbname, autocommit=False) as conn:
+            for t in range(120):
+                ids = [conn.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (f"w{w}-{rnd.randrange(5)}",)).fetchone()[0]
+                       for _ in range(rnd.randint(1, 3))]
+                if rnd.random() < 0.3:
+                    conn.rollback()
+                else:
+                    conn.commit()
+                    with lock:
+                        committed.update(ids)
+                if rnd.random() < 0.2:
+                    time.sleep(0.001)
+
+    claimed: list = []
+    stop = threading.Event()
+
+    def claimer() -> None:
+        with cluster.connect(dbname) as conn:
+            relay = Relay(conn, consumer, batch_size=7)
+            while not stop.is_set():
+                got = relay.drain()
+                claimed.extend(e.id for e in got)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    drainer = threading.Thread(target=claimer)
+    drainer.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    drainer.join()
+    claimed.extend(e.id for e in Relay(db, consumer).drain())
+    assert len(claimed) == len(set(claimed)), "no event claimed twice"
+    assert set(claimed) == committed, "every committed event, and only those"
+
+
+def test_parallel_claimers_keep_per_key_order_through_failures_and_kills(cluster, dbname, db, consumer):
+    """Writers serialize per key (a lock on the aggregate, as applications do), so each key's
+    commit order is its seq order. Three claimers on separate connections fail deliveries at
+    random and are killed with pg_terminate_backend mid-batch; leases are short."""
+    keys = [f"agg-{i}" for i in range(12)]
+    sink: list[tuple] = []            # (key, seq, id) in delivery order
+    sink_lock = threading.Lock()
+    killed_batches: list = []
+    stop_writing = threading.Event()
+
+    def writer(w: int) -> None:
+        rnd = random.Random(100 + w)
+        with cluster.connect(dbname, autocommit=False) as conn:
+            for _ in range(150):
+                key = rnd.choice(keys)
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (key,))
+                conn.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (key,))
+                conn.rollback() if rnd.random() < 0.1 else conn.commit()
+        stop_writing.set()
+
+    def claimer(c: int) -> None:
+        rnd = random.Random(200 + c)
+        conn = cluster.connect(dbname)
+        relay = Relay(conn, consumer, batch_size=rnd.choice([3, 10, 50]), lease="300 milliseconds", owner=f"c{c}")
+        idle = 0
+        while idle < 30:
+            try:
+                batch = relay.claim()
+                if not batch:
+                    idle = idle + 1 if stop_writing.is_set() else 0
+                    time.sleep(0.01)
+                    continue
+                idle = 0
+                failed = set()
+                kill_at = rnd.randrange(len(batch) * 8)
+                for i, e in enumerate(batch):
+                    if e.aggregate_id in failed:
+                        continue
+                    if i == kill_at:   # the relay dies mid-batch, after delivering part of it
+                        killed_batches.append((e.shard, e.epoch))
+                        db_kill = cluster.connect(dbname)
+                        db_kill.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+                        db_kill.close()
+                        raise psycopg.OperationalError("killed")
+                    if rnd.random() < 0.05:
+                        failed.add(e.aggregate_id)
+                        relay.nack(e, "random failure", retry_after="20 milliseconds")
+                        continue
+                    with sink_lock:
+                        sink.append((e.aggregate_id, e.seq, e.id))
+                relay.ack(batch[0].shard, batch[0].epoch)
+            except psycopg.Error:
+                conn.close()
+                conn = cluster.connect(dbname)
+                relay.conn = conn
+        conn.close()
+
+    writers = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
+    claimers = [threading.Thread(target=claimer, args=(c,)) for c in range(3)]
+    for t in writers + claimers:
+        t.start()
+    for t in writers + claimers:
+        t.join()
+    # whatever is left (parked retries, expired leases), one relay finishes it
+    time.sleep(0.5)
+    rest = Relay(db, consumer)
+    for _ in range(50):
+        for e in rest.drain():
+            sink.append((e.aggregate_id, e.seq, e.id))
+        time.sleep(0.05)
+
+    committed = committed_events(db)
+    assert {r[0] for r in committed} == {s[2] for s in sink}, "nothing lost, nothing phantom"
+    expected = defaultdict(list)
+    for eid, key, seq in committed:
+        expected[key].append(seq)
+    first_seen = defaultdict(list)
+    seen = set()
+    for key, seq, eid in sink:
+        if eid not in seen:
+            seen.add(eid)
+            first_seen[key].append(seq)
+    assert dict(first_seen) == dict(expected), "per key, first deliveries follow commit order"
+    duplicates = len(sink) - len(seen)
+    assert duplicates == 0 or killed_batches, "duplicates only after a killed relay's lease expired"
+    assert db.execute("SELECT count(*) FROM outbox.dead_letters").fetchone()[0] == 0
+
+
+def test_a_poisoned_key_blocks_only_itself_then_dead_letters_and_replays(db, consumer):
+    db.execute("SELECT outbox.drop_consumer('sink')")
+    db.execute("SELECT outbox.create_consumer('sink', max_attempts => 3, backoff_base => '20 ms', backoff_max => '40 ms')")
+    poison, *others = keys_in_shard(db, 5, 4)
+    emit(db, poison, payload='{"poison": true}')
+    emit(db, poison, 2)
+    for k in others:
+        emit(db, k, 3)
+    relay = Relay(db, "sink", batch_size=4)
+    attempts = []
+    fixed = False
+
+    def deliver(e):
+        if e.payload == {"poison": True} and not fixed:
+            attempts.append(e.attempt)
+            return False
+        return True
+
+    delivered = []
+    deadline = time.time() + 10
+    while time.time() < deadline and db.execute("SELECT count(*) FROM outbox.dead_letters").fetchone()[0] == 0:
+        delivered += relay.drain(deliver)
+        time.sleep(0.02)
+    delivered += relay.drain(deliver)
+    time.sleep(0.1)
+    delivered += relay.drain(deliver)
+    # the others flowed although they share the poisoned key's shard
+    others_delivered = [e.aggregate_id for e in delivered if e.aggregate_id != poison]
+    assert sorted(others_delivered) == sorted(others * 3)
+    assert attempts == [1, 2, 3]
+    dead = db.execute("SELECT aggregate_id, attempts, last_error, payload FROM outbox.dead_letters").fetchall()
+    assert len(dead) == 1 and dead[0][0] == poison and dead[0][1] == 3 and "failed" in dead[0][2]
+    assert dead[0][3] == {"poison": True}
+    # the key moved on: its later events were delivered, in order
+    poison_seqs = [e.seq for e in delivered if e.aggregate_id == poison]
+    assert len(poison_seqs) == 2 and poison_seqs == sorted(poison_seqs)
+    assert db.execute("SELECT count(*) FROM outbox._parked").fetchone()[0] == 0
+    # replay re-queues the dead letter; now it goes through
+    fixed = True
+    assert db.execute("SELECT outbox.replay('sink')").fetchone()[0] == 1
+    replayed = relay.drain(deliver)
+    assert [(e.aggregate_id, e.payload) for e in replayed] == [(poison, {"poison": True})]
+    assert db.execute("SELECT count(*) FROM outbox.dead_letters").fetchone()[0] == 0
+
+
+def test_backoff_grows_with_attempts(db):
+    db.execute("SELECT outbox.create_consumer('slow', backoff_base => '1 second', backoff_max => '1 hour')")
+    emit(db, "k")
+    relay = Relay(db, "slow")
+    batch = relay.claim()
+    relay.nack(batch[0], "down")
+    relay.ack(batch[0].shard, batch[0].epoch)
+    delays = []
+    for _ in range(4):
+        delay = db.execute("SELECT extract(epoch FROM next_attempt_at - now()) FROM outbox._parked").fetchone()[0]
+        delays.append(float(delay))
+        db.execute("UPDATE outbox._parked SET next_attempt_at = now()")
+        batch = relay.claim()
+        assert len(batch) == 1 and batch[0].attempt == len(delays) + 1
+        relay.nack(batch[0], "down")
+        relay.ack(batch[0].shard, batch[0].epoch)
+    for n, d in enumerate(delays):   # base * 2^n, with jitter in [0.5, 1]
+        assert 0.5 * 2 ** n - 0.1 <= d <= 2 ** n + 0.1, delays
+    assert Relay(db, "slow").claim() == [], "not due: the parked key waits"
+
+
+def test_retry_after_is_honoured(db, consumer):
+    emit(db, "k")
+    relay = Relay(db, consumer)
+    batch = relay.claim()
+    relay.nack(batch[0], "429", retry_after="1 hour")
+    relay.ack(batch[0].shard, batch[0].epoch)
+    assert db.execute("SELECT next_attempt_at > now() + interval '59 minutes' FROM outbox._parked").fetchone()[0]
+
+
+def test_a_stale_epoch_is_refused_after_the_lease_expires(db, connect, consumer):
+    emit(db, "k", 3)
+    slow = Relay(connect(), consumer, lease="100 milliseconds", owner="slow")
+    batch = slow.claim()
+    time.sleep(0.3)
+    fast = Relay(connect(), consumer, owner="fast")
+    again = fast.claim()
+    assert [e.id for e in again] == [e.id for e in batch], "the expired batch is handed out again, in order"
+    assert again[0].epoch == batch[0].epoch + 1
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState) as err:
+        slow.ack(batch[0].shard, batch[0].epoch)
+    assert err.value.diag.message_hint and "held by fast" in err.value.diag.message_detail
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):
+        slow.nack(batch[0], "late")
+    fast.ack(again[0].shard, again[0].epoch)
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):
+        fast.ack(again[0].shard, again[0].epoch)   # twice
+    assert fast.claim() == []
+
+
+def test_an_expired_lease_nobody_took_can_still_ack(db, consumer):
+    emit(db, "k")
+    relay = Relay(db, consumer, lease="50 milliseconds")
+    batch = relay.claim()
+    time.sleep(0.1)
+    relay.ack(batch[0].shard, batch[0].epoch)
+    assert relay.claim() == []
+
+
+def test_a_leased_shard_is_not_handed_out_twice(db, connect, consumer):
+    key_a, key_b = keys_in_shard(db, 3, 2)
+    emit(db, key_a)
+    emit(db, key_b)
+    first = Relay(connect(), consumer, batch_size=1).claim()
+    assert len(first) == 1
+    assert Relay(connect(), consumer).claim() == [], "the shard is leased; nothing else has work"
+
+
+def test_release_gives_the_batch_back_and_waits(db, consumer):
+    emit(db, "k", 2)
+    relay = Relay(db, consumer)
+    batch = relay.claim()
+    relay.release(batch[0].shard, batch[0].epoch, "300 milliseconds")
+    assert relay.claim() == []
+    time.sleep(0.4)
+    again = relay.claim()
+    assert [e.id for e in again] == [e.id for e in batch]
+
+
+def test_consumers_fan_out_independently(db):
+    db.execute("SELECT outbox.create_consumer('a'); SELECT outbox.create_consumer('b')")
+    emit(db, "k", 5)
+    assert len(Relay(db, "a").drain()) == 5
+    assert len(Relay(db, "b").drain()) == 5
+    assert Relay(db, "a").drain() == []
+
+
+def test_a_consumer_starts_now_unless_from_beginning(db):
+    emit(db, "old", 2)
+    db.execute("SELECT outbox.create_consumer('new'); SELECT outbox.create_consumer('all', true)")
+    emit(db, "fresh")
+    assert [e.aggregate_id for e in Relay(db, "new").drain()] == ["fresh"]
+    assert [e.aggregate_id for e in Relay(db, "all").drain()] == ["old", "old", "fresh"]
+
+
+def test_claims_never_update_or_delete_event_rows(db, consumer):
+    for i in range(200):
+        emit(db, f"k{i % 9}")
+    relay = Relay(db, consumer, batch_size=10)
+    relay.drain(lambda e: e.seq % 17 != 0)   # some failures too: parking copies, never touches
+    time.sleep(0.1)
+    relay.drain()
+    assert db.execute("SELECT count(*) FROM outbox.events WHERE xmax <> '0'").fetchone()[0] == 0
+    assert db.execute("SELECT count(*) FROM outbox._cursor_log WHERE xmax <> '0'").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("sql,sqlstate", [
+    ("SELECT * FROM outbox.claim('nope')", "42704"),
+    ("SELECT * FROM outbox.claim('sink', 0)", "22023"),
+    ("SELECT * FROM outbox.claim('sink', 10, '0 seconds')", "22023"),
+    ("SELECT outbox.ack('sink', 99, 1)", "22023"),
+    ("SELECT outbox.ack('sink', 1, 12345)", "55000"),
+    ("SELECT outbox.create_consumer('sink')", "42710"),
+    ("SELECT outbox.create_consumer('')", "22023"),
+    ("SELECT outbox.create_consumer('x', max_attempts => 0)", "22023"),
+])
+def test_bad_calls_get_clear_errors(db, consumer, sql, sqlstate):
+    with pytest.raises(psycopg.Error) as err:
+        db.execute(sql)
+    assert err.value.sqlstate == sqlstate and err.value.diag.message_hint
+
+
+def test_nack_of_an_event_not_in_the_batch(db, consumer):
+    emit(db, "k")
+    batch = Relay(db, consumer).claim()
+    with pytest.raises(psycopg.errors.InvalidParameterValue):
+        db.execute("SELECT outbox.nack('sink', %s, %s, gen_random_uuid(), 'x')", (batch[0].shard, batch[0].epoch))
+
+
+def test_roles_for_claims(connect, db, consumer):
+    emit(db, "k")
+    relay = Relay(connect("relay_user"), consumer)
+    batch = relay.claim()
+    relay.ack(batch[0].shard, batch[0].epoch)
+    for user, sql in [("relay_user", "SELECT outbox.create_consumer('x')"),
+                      ("relay_user", "SELECT outbox.replay('sink')"),
+                      ("relay_user", "SELECT * FROM outbox.dead_letters"),
+                      ("producer_user", "SELECT * FROM outbox.claim('sink')"),
+                      ("producer_user", "SELECT * FROM outbox.consumers")]:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            connect(user).execute(sql)
+    connect("admin_user").execute("SELECT outbox.create_consumer('by-admin')")
