@@ -64,6 +64,8 @@ CREATE TABLE outbox._cursor_log (
     hi_top      xid8,
     hi_txids    xid8[],
     hi_floors   bigint[],
+    late_from   bigint,                -- seq range holding the events of (b) in this window
+    late_to     bigint,
     after_seq   bigint,                -- delivered through this seq inside the window
     batch_end   bigint,                -- claim rows: seq of the batch's last event
     exhausted   boolean,               -- claim rows: the batch ends the window
@@ -121,6 +123,16 @@ CREATE TABLE outbox.dead_letters (
 CREATE INDEX ON outbox.dead_letters (consumer, aggregate_id, id);
 COMMENT ON TABLE outbox.dead_letters IS
     'Events a consumer gave up on after max_attempts, with the last error; outbox.replay re-queues them.';
+
+-- Marks: (seq, then a fresh xid) pairs that claims record at most once a second. A
+-- transaction with a greater xid has only events above the mark's seq, which gives every
+-- in-progress transaction a recent floor however old the cursor's bounds are. Insert-only;
+-- outbox.maintain() trims old marks.
+CREATE TABLE outbox._marks (
+    top xid8        PRIMARY KEY,
+    seq bigint      NOT NULL,
+    at  timestamptz NOT NULL DEFAULT now()
+);
 
 -- One row of a claimed batch.
 CREATE TYPE outbox.claimed AS (
@@ -193,40 +205,77 @@ AS $$
 BEGIN
     INSERT INTO outbox._cursor_log
         (consumer_id, shard, epoch, owner, lease_until, lo_snap, lo_seq, lo_top, lo_txids,
-         lo_floors, hi_snap, hi_seq, hi_top, hi_txids, hi_floors, after_seq, batch_end,
-         exhausted, heads)
+         lo_floors, hi_snap, hi_seq, hi_top, hi_txids, hi_floors, late_from, late_to,
+         after_seq, batch_end, exhausted, heads)
     VALUES
         (cur.consumer_id, cur.shard, cur.epoch, cur.owner, cur.lease_until, cur.lo_snap,
          cur.lo_seq, cur.lo_top, cur.lo_txids, cur.lo_floors, cur.hi_snap, cur.hi_seq,
-         cur.hi_top, cur.hi_txids, cur.hi_floors, cur.after_seq, cur.batch_end, cur.exhausted,
-         cur.heads);
+         cur.hi_top, cur.hi_txids, cur.hi_floors, cur.late_from, cur.late_to, cur.after_seq,
+         cur.batch_end, cur.exhausted, cur.heads);
 END
 $$;
 
 -- The in-progress list of a bound: the snapshot's xip, every xid from its xmax to x, and x.
+-- (Helpers on the claim path are plpgsql, not SQL: plpgsql keeps their plans for the session,
+-- while a SQL function called from plpgsql is planned again in every transaction.)
 CREATE FUNCTION outbox._in_progress(snap pg_snapshot, x xid8) RETURNS xid8[]
-    LANGUAGE sql IMMUTABLE
+    LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
     RETURN ARRAY(SELECT t FROM pg_snapshot_xip(snap) AS t
                  UNION
                  SELECT g::text::xid8
-                   FROM generate_series(least(pg_snapshot_xmax(snap), x)::text::bigint, x::text::bigint) AS g
+                   FROM generate_series(least(pg_snapshot_xmax(snap), x)::text::bigint,
+                                        x::text::bigint) AS g
                  ORDER BY 1);
+END
+$$;
+
+-- Transactions of lo's in-progress list that the cursor's hi sees finished, with the lowest
+-- of their floors: part (b) of the window.
+CREATE FUNCTION outbox._late(cur outbox._cursor_log, OUT txids xid8[], OUT floor_seq bigint)
+    LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    SELECT coalesce(array_agg(u.t), '{}'), min(u.f) INTO txids, floor_seq
+      FROM unnest(cur.lo_txids, cur.lo_floors) AS u(t, f)
+     WHERE pg_visible_in_snapshot(u.t, cur.hi_snap);
+END
+$$;
 
 -- Close the window at a new bound (seq_mark, then xid x, then a snapshot now; see the header).
--- Each in-progress transaction gets a floor: carried over if lo had it in progress too,
--- else lo.seq (it began after lo's mark).
+-- Each in-progress transaction gets a floor: carried over if lo had it in progress too, else
+-- lo.seq (it began after lo's mark), raised to the newest mark below it; x itself, seq_mark. Then find, once, the seq range that
+-- holds the events of part (b), bounded above by the seq read after the snapshot: pages of
+-- the window scan only that range for them.
 CREATE FUNCTION outbox._open_window(cur outbox._cursor_log, seq_mark bigint, x xid8)
 RETURNS outbox._cursor_log
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    late    record;
+    seq_end bigint;
 BEGIN
     cur.hi_seq := seq_mark;
     cur.hi_snap := pg_current_snapshot();
+    seq_end := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
     cur.hi_top := greatest(pg_snapshot_xmax(cur.hi_snap), (x::text::bigint + 1)::text::xid8);
-    SELECT coalesce(array_agg(t ORDER BY t), '{}'), coalesce(array_agg(coalesce(u.f, cur.lo_seq) ORDER BY t), '{}')
+    SELECT coalesce(array_agg(t ORDER BY t), '{}'),
+           coalesce(array_agg(CASE WHEN t = x THEN seq_mark
+                                   ELSE greatest(coalesce(u.f, cur.lo_seq),
+                                                 (SELECT m.seq FROM outbox._marks m WHERE m.top < t
+                                                   ORDER BY m.top DESC LIMIT 1)) END ORDER BY t), '{}')
       INTO cur.hi_txids, cur.hi_floors
       FROM unnest(outbox._in_progress(cur.hi_snap, x)) AS t
       LEFT JOIN unnest(cur.lo_txids, cur.lo_floors) AS u(id, f) ON u.id = t;
+    late := outbox._late(cur);
+    cur.late_from := NULL; cur.late_to := NULL;
+    IF cardinality(late.txids) > 0 THEN
+        SELECT min(e.seq), max(e.seq) INTO cur.late_from, cur.late_to
+          FROM outbox.events e
+         WHERE e.shard = cur.shard AND e.seq > late.floor_seq AND e.seq <= seq_end
+           AND e.txid = ANY (late.txids);
+    END IF;
     cur.after_seq := NULL;
     RETURN cur;
 END
@@ -243,7 +292,7 @@ BEGIN
         cur.lo_snap := cur.hi_snap;   cur.lo_seq := cur.hi_seq;       cur.lo_top := cur.hi_top;
         cur.lo_txids := cur.hi_txids; cur.lo_floors := cur.hi_floors;
         cur.hi_snap := NULL; cur.hi_seq := NULL; cur.hi_top := NULL;
-        cur.hi_txids := NULL; cur.hi_floors := NULL;
+        cur.hi_txids := NULL; cur.hi_floors := NULL; cur.late_from := NULL; cur.late_to := NULL;
         cur.after_seq := NULL;
     ELSE
         cur.after_seq := batch_end;
@@ -255,19 +304,20 @@ END
 $$;
 
 -- Events of a shard in the cursor's window, after its position and up to seq upto, in seq
--- order, at most lim (NULL: all).
+-- order, at most lim (NULL: all). Both parts walk the (shard, seq, txid) index in order and
+-- stop at the limit; generic plans with sorts and bitmap scans off keep it that way.
 CREATE FUNCTION outbox._window(shard int, cur outbox._cursor_log, upto bigint, lim int)
 RETURNS SETOF outbox.events
-    LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
+    LANGUAGE plpgsql STABLE
+    SET search_path = pg_catalog, pg_temp
+    SET plan_cache_mode = force_generic_plan
+    SET enable_sort = off
+    SET enable_bitmapscan = off
 AS $$
 DECLARE
-    committed xid8[];    -- transactions in progress at lo that hi sees finished
-    floor_seq bigint;
-    last_seq  bigint := coalesce(upto, 9223372036854775807);
+    late     xid8[] := (outbox._late(cur)).txids;
+    last_seq bigint := coalesce(upto, 9223372036854775807);
 BEGIN
-    SELECT coalesce(array_agg(u.t), '{}'), min(u.f) INTO committed, floor_seq
-      FROM unnest(cur.lo_txids, cur.lo_floors) AS u(t, f)
-     WHERE pg_visible_in_snapshot(u.t, cur.hi_snap);
     RETURN QUERY
     SELECT w.* FROM (
         (SELECT e.* FROM outbox.events e
@@ -278,10 +328,11 @@ BEGIN
           ORDER BY e.seq LIMIT lim)
         UNION ALL
         (SELECT e.* FROM outbox.events e
-          WHERE cardinality(committed) > 0
+          WHERE cur.late_from IS NOT NULL
             AND e.shard = _window.shard
-            AND e.seq > greatest(cur.after_seq, floor_seq) AND e.seq <= last_seq
-            AND e.txid = ANY (committed)
+            AND e.seq >= cur.late_from AND e.seq > coalesce(cur.after_seq, -1)
+            AND e.seq <= least(cur.late_to, last_seq)
+            AND e.txid = ANY (late)
           ORDER BY e.seq LIMIT lim)
     ) AS w ORDER BY w.seq LIMIT lim;
 END
@@ -351,18 +402,22 @@ END
 $$;
 
 CREATE FUNCTION outbox._unpark_if_empty(consumer_id int, key text) RETURNS void
-    LANGUAGE sql VOLATILE
-BEGIN ATOMIC
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
     DELETE FROM outbox._parked p
      WHERE p.consumer_id = _unpark_if_empty.consumer_id AND p.aggregate_id = _unpark_if_empty.key
        AND NOT EXISTS (SELECT FROM outbox._parked_events q
                         WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
-END;
+END
+$$;
 
 -- Copy events of parked keys into their queues (idempotent: a re-claim copies nothing twice).
 CREATE FUNCTION outbox._queue_parked(consumer_id int, events outbox.events[]) RETURNS void
-    LANGUAGE sql VOLATILE
-BEGIN ATOMIC
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+BEGIN
     INSERT INTO outbox._parked_events AS q (consumer_id, aggregate_id, id, topic, aggregate_type,
                                             event_type, payload, headers, created_at, seq)
     SELECT _queue_parked.consumer_id, e.aggregate_id, e.id, e.topic, e.aggregate_type,
@@ -370,7 +425,8 @@ BEGIN ATOMIC
       FROM unnest(events) AS e
      ORDER BY e.seq
     ON CONFLICT (consumer_id, id) DO NOTHING;
-END;
+END
+$$;
 
 -- Take one shard if it is free and has work: returns its batch (and writes the claim row), or
 -- nothing (and writes nothing, unless it had to move past events of parked keys).
@@ -387,10 +443,13 @@ DECLARE
     mine      outbox.events[];
     heads     outbox.claimed[];
     exhausted boolean;
+    any_parked boolean;
 BEGIN
     IF cur.lease_until > now() THEN
         RETURN;  -- a batch is out under a live lease, or a release asked to wait
     END IF;
+    any_parked := EXISTS (SELECT FROM outbox._parked p
+                           WHERE p.consumer_id = c.id AND p.shard = _claim_shard.shard);
     LOOP
         fresh := cur.hi_snap IS NULL;
         IF fresh THEN
@@ -399,9 +458,11 @@ BEGIN
         batch := ARRAY(SELECT w FROM outbox._window(shard, cur, NULL, batch_size) AS w);
         exhausted := cardinality(batch) < batch_size;
         -- keys parked for this consumer do not go out with the shard: they queue behind their head
-        parked := ARRAY(SELECT DISTINCT p.aggregate_id FROM outbox._parked p
-                         WHERE p.consumer_id = c.id
-                           AND p.aggregate_id IN (SELECT b.aggregate_id FROM unnest(batch) b));
+        parked := CASE WHEN any_parked THEN
+                      ARRAY(SELECT DISTINCT p.aggregate_id FROM outbox._parked p
+                             WHERE p.consumer_id = c.id AND p.shard = _claim_shard.shard
+                               AND p.aggregate_id IN (SELECT b.aggregate_id FROM unnest(batch) b))
+                  ELSE '{}' END;
         IF cardinality(parked) > 0 THEN
             PERFORM outbox._queue_parked(c.id, ARRAY(SELECT b FROM unnest(batch) b
                                                       WHERE b.aggregate_id = ANY (parked)));
@@ -422,7 +483,7 @@ BEGIN
     END LOOP;
 
     -- parked keys of this shard that are due: their heads, in the order they fell due
-    heads := ARRAY(
+    heads := CASE WHEN NOT any_parked THEN '{}' ELSE ARRAY(
         SELECT ROW(_claim_shard.shard, NULL, q.id, q.topic, q.aggregate_type, q.aggregate_id,
                    q.event_type, q.payload, q.headers, q.created_at, q.seq, p.attempts + 1)::outbox.claimed
           FROM (SELECT * FROM outbox._parked p
@@ -432,7 +493,7 @@ BEGIN
          CROSS JOIN LATERAL (SELECT * FROM outbox._parked_events q
                               WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
                               ORDER BY q.pos LIMIT 1) AS q
-         ORDER BY p.next_attempt_at);
+         ORDER BY p.next_attempt_at) END;
     IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
         RETURN;
     END IF;
@@ -502,9 +563,11 @@ BEGIN
                   HINT = 'Pick another name, or outbox.drop_consumer it first.';
     END IF;
     INSERT INTO outbox._shards SELECT c_id, s FROM generate_series(0, outbox.shard_count() - 1) s;
-    -- Transactions in progress now get floor 0: their events may be older than anything.
+    -- Transactions in progress now get floor 0: their events may be older than anything; this
+    -- transaction's own, lo_seq.
     INSERT INTO outbox._cursor_log (consumer_id, shard, epoch, lo_snap, lo_seq, lo_top, lo_txids, lo_floors)
-    SELECT c_id, s, 0, b.snap, b.seq, b.top, b.txids, array_fill(0::bigint, ARRAY[cardinality(b.txids)])
+    SELECT c_id, s, 0, b.snap, b.seq, b.top, b.txids,
+           ARRAY(SELECT CASE WHEN t = x THEN lo_seq ELSE 0 END FROM unnest(b.txids) AS t)
       FROM generate_series(0, outbox.shard_count() - 1) AS s,
            (SELECT '1:1:'::pg_snapshot AS snap, 0::bigint AS seq, '1'::xid8 AS top, '{}'::xid8[] AS txids
              WHERE from_beginning
@@ -553,6 +616,10 @@ BEGIN
     END IF;
     seq_mark := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
     x := pg_current_xact_id();
+    IF coalesce((SELECT m.at FROM outbox._marks m ORDER BY m.top DESC LIMIT 1), '-infinity')
+       < now() - interval '1 second' THEN
+        INSERT INTO outbox._marks (top, seq) VALUES (x, seq_mark) ON CONFLICT DO NOTHING;
+    END IF;
     IF batch_size IS NULL OR batch_size < 1 OR batch_size > 100000 THEN
         RAISE EXCEPTION 'batch_size % is out of range', batch_size
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass 1 to 100000.';

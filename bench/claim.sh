@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Drain benchmark: 300,000 pre-filled events drained with no network, in one run, printed as
+# ratios. Relays run as pgbench clients; every relay step touches each event's payload.
+#   outbox_ext: claim (one transaction) + ack (the next), batches of 100 and 1,000, 1 and 2 relays
+#   plain-SQL outbox relay: SELECT ... FOR UPDATE SKIP LOCKED LIMIT n + UPDATE published_at
+#   PgQ 3.5: next_batch + get_batch_events + finish_batch, one consumer (PgQ has one reader
+#            per consumer), ticks every 100 / 1,000 events, and one tick over everything
+# Usage: bench/claim.sh [events, default 300000]
+source "$(dirname "$0")/common.sh"
+EVENTS=${1:-300000}
+WORK=$(mktemp -d)
+start_bench_cluster claim
+
+sql <<'SQL'
+CREATE EXTENSION outbox_ext;
+CREATE EXTENSION pgq;
+CREATE TABLE plain_outbox (
+    id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    aggregate_type text NOT NULL, aggregate_id text NOT NULL, event_type text NOT NULL,
+    payload jsonb, created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz);
+CREATE INDEX plain_outbox_unpublished ON plain_outbox (created_at) WHERE published_at IS NULL;
+-- PgQ ticks in their own transactions, every `every` events (NULL: one tick at the end).
+CREATE PROCEDURE fill_pgq(n int, every int) LANGUAGE plpgsql AS $$
+BEGIN
+    FOR chunk IN 0 .. (n - 1) / coalesce(every, n) LOOP
+        PERFORM pgq.insert_event('bench', 'order.created', jsonb_build_object('customer', 'c', 'total', i)::text,
+                                 (i % 10000)::text, NULL, NULL, NULL)
+           FROM generate_series(chunk * coalesce(every, n) + 1, least(n, (chunk + 1) * coalesce(every, n))) i;
+        COMMIT;
+        PERFORM pgq.ticker('bench');
+        COMMIT;
+    END LOOP;
+END $$;
+SQL
+
+cat > "$WORK/outbox.sql" <<'SQL'
+SELECT coalesce(min(shard), -1) AS shard, coalesce(min(epoch), -1) AS epoch, count(*) AS n,
+       sum(length(payload::text)) AS bytes
+  FROM outbox.claim('bench', :batch) \gset
+\if :n
+SELECT outbox.ack('bench', :shard, :epoch);
+\endif
+SQL
+cat > "$WORK/plain.sql" <<'SQL'
+WITH batch AS (SELECT id FROM plain_outbox WHERE published_at IS NULL
+                ORDER BY created_at LIMIT :batch FOR UPDATE SKIP LOCKED),
+     done AS (UPDATE plain_outbox o SET published_at = now() FROM batch WHERE o.id = batch.id
+              RETURNING length(o.payload::text) AS bytes)
+SELECT count(*), sum(bytes) FROM done;
+SQL
+cat > "$WORK/pgq.sql" <<'SQL'
+SELECT coalesce(pgq.next_batch('bench', 'reader'), -1) AS batch_id \gset
+\if :batch_id >= 0
+SELECT count(*), sum(length(ev_data)) FROM pgq.get_batch_events(:batch_id);
+SELECT pgq.finish_batch(:batch_id);
+\endif
+SQL
+
+fill() {
+    case $1 in
+        outbox) sql -c "TRUNCATE outbox.events" -c "SELECT outbox.drop_consumer('bench')" -c "SELECT outbox.create_consumer('bench')" \
+                    -c "SELECT count(*) FROM outbox.emit_many('order', 'order.created', (SELECT array_agg((i % 10000)::text) FROM generate_series(1, $EVENTS) i), (SELECT array_agg(jsonb_build_object('customer', 'c', 'total', i)) FROM generate_series(1, $EVENTS) i))" >/dev/null ;;
+        plain) sql -c "TRUNCATE plain_outbox" -c "INSERT INTO plain_outbox (aggregate_type, aggregate_id, event_type, payload) SELECT 'order', (i % 10000)::text, 'order.created', jsonb_build_object('customer', 'c', 'total', i) FROM generate_series(1, $EVENTS) i" ;;
+        pgq) sql -c "SELECT pgq.drop_queue('bench', true)" 2>/dev/null || true
+             sql -c "SELECT pgq.create_queue('bench')" -c "SELECT pgq.register_consumer('bench', 'reader')" >/dev/null
+             sql -c "CALL fill_pgq($EVENTS, ${2:-NULL})" ;;
+    esac
+    sql -c "VACUUM ANALYZE" -c "CHECKPOINT"
+}
+
+remaining() {
+    case $1 in
+        outbox) echo 0 ;;  # checked below with a final claim
+        plain) sql_value "SELECT count(*) FROM plain_outbox WHERE published_at IS NULL" ;;
+        pgq) echo 0 ;;
+    esac
+}
+
+# drain SYSTEM SCRIPT CLIENTS BATCH -> events/s
+drain() {
+    local system=$1 script=$2 clients=$3 batch=$4 per_client start end
+    per_client=$(( EVENTS / batch / clients + 20 ))
+    [ "$system" = pgq ] && per_client=$(( EVENTS / batch + 20 ))
+    start=$(now_s)
+    "$BIN/pgbench" -n -M prepared -h 127.0.0.1 -p "$PORT" -U postgres -c "$clients" -j "$clients" \
+        -t "$per_client" -D batch="$batch" -f "$WORK/$script.sql" bench >/dev/null 2>"$WORK/err" || { cat "$WORK/err"; exit 1; }
+    end=$(now_s)
+    if [ "$system" = outbox ] && [ "$(sql_value "SELECT count(*) FROM outbox.claim('bench', 1)")" != 0 ]; then
+        echo "outbox_ext did not drain everything" >&2; exit 1
+    fi
+    if [ "$(remaining "$system")" != 0 ]; then echo "$system did not drain everything" >&2; exit 1; fi
+    awk -v n="$EVENTS" -v a="$start" -v b="$end" 'BEGIN{printf "%.0f", n/(b-a)}'
+}
+
+declare -A rate
+for batch in 100 1000; do
+    for clients in 1 2; do
+        fill outbox; rate[outbox_${batch}_$clients]=$(drain outbox outbox "$clients" "$batch")
+        log "outbox_ext batch $batch, $clients relay(s): ${rate[outbox_${batch}_$clients]} events/s"
+        fill plain; rate[plain_${batch}_$clients]=$(drain plain plain "$clients" "$batch")
+        log "plain-SQL relay batch $batch, $clients relay(s): ${rate[plain_${batch}_$clients]} events/s"
+    done
+    fill pgq "$batch"; rate[pgq_$batch]=$(drain pgq pgq 1 "$batch")
+    log "PgQ ticks every $batch: ${rate[pgq_$batch]} events/s"
+done
+fill pgq; start=$(now_s)
+sql -c "SELECT count(*) FROM pgq.get_batch_events(pgq.next_batch('bench', 'reader'))" >/dev/null
+rate[pgq_all]=$(awk -v n="$EVENTS" -v a="$start" -v b="$(now_s)" 'BEGIN{printf "%.0f", n/(b-a)}')
+log "PgQ one batch of everything: ${rate[pgq_all]} events/s"
+
+echo
+echo "Drain benchmark: $EVENTS events, PostgreSQL 15, $(nproc) cores, no network"
+echo
+echo "| batch | relays | outbox_ext events/s | plain-SQL relay | vs plain (target >= 4x) | PgQ, same batch | vs PgQ (target >= 0.7x) |"
+echo "| --- | --- | --- | --- | --- | --- | --- |"
+for batch in 100 1000; do
+    for clients in 1 2; do
+        o=${rate[outbox_${batch}_$clients]} p=${rate[plain_${batch}_$clients]} q=${rate[pgq_$batch]}
+        echo "| $batch | $clients | $o | $p | $(ratio "$o" "$p") | $q | $(ratio "$o" "$q") |"
+    done
+done
+echo
+best=0; for k in "${!rate[@]}"; do [[ $k == outbox_* ]] && (( rate[$k] > best )) && best=${rate[$k]}; done
+echo "PgQ reading everything as one batch: ${rate[pgq_all]} events/s; best outbox_ext run: $best ($(ratio "$best" "${rate[pgq_all]}"))"
+rm -rf "$WORK"

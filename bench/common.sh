@@ -1,0 +1,33 @@
+# Shared by the benchmarks: a release build of outbox_ext in its own PostgreSQL tree
+# (target/pg-bench) and one cluster with the settings of ../shared/baselines.md.
+PG_TREES="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/target/pg-bench"
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/lib.sh"
+PORT=${BENCH_PORT:-55499}
+BIN=""
+
+# start_bench_cluster NAME: fresh cluster in target/bench/NAME with database "bench".
+start_bench_cluster() {
+    local data="$TARGET/bench/$1"
+    setup_machine
+    install_extension 15 release
+    stop_cluster 15 "$data"
+    start_cluster 15 "$data" "$PORT" "synchronous_commit = off" "shared_buffers = 1GB" \
+        "max_wal_size = 8GB" "autovacuum_naptime = 10s"
+    BENCH_DATA=$data
+    trap 'stop_cluster 15 "$BENCH_DATA"' EXIT
+    BIN=$(pg_bindir 15)
+    "$BIN/psql" -X -q -h 127.0.0.1 -p "$PORT" -U postgres -c "CREATE DATABASE bench"
+}
+
+sql() { "$BIN/psql" -X -q -h 127.0.0.1 -p "$PORT" -U postgres -d bench -v ON_ERROR_STOP=1 "$@"; }
+sql_value() { sql -At -c "$1"; }
+
+# pgbench_run SCRIPT CLIENTS ARGS...: runs pgbench quietly; prints its tps.
+pgbench_run() {
+    local script=$1 clients=$2; shift 2
+    "$BIN/pgbench" -n -M prepared -h 127.0.0.1 -p "$PORT" -U postgres -c "$clients" -j "$clients" \
+        -f "$script" "$@" bench 2>/dev/null | sed -n 's/^tps = \([0-9.]*\).*/\1/p'
+}
+
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b > 0) printf "%.2fx", a/b; else print "-" }'; }
+now_s() { date +%s.%N; }
