@@ -34,4 +34,10 @@ GRANT EXECUTE ON FUNCTION
     outbox.replay(text, text)
 TO outbox_admin;
 GRANT ALL ON ALL TABLES IN SCHEMA outbox TO outbox_admin;
-GRANT EXECUTE ON FUNCTION outbox._ensure_partitions(regclass, interval, int) TO outbox_admin;
+GRANT EXECUTE ON FUNCTION outbox.maintain() TO outbox_admin;
+
+REVOKE ALL ON ALL TABLES IN SCHEMA inbox FROM PUBLIC;
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA inbox FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION inbox.claim(uuid, text), inbox.uuid_time(uuid), inbox.uuid_at(timestamptz)
+    TO outbox_producer, outbox_relay;
+GRANT ALL ON ALL TABLES IN SCHEMA inbox TO outbox_admin;

@@ -1,49 +1,220 @@
--- outbox_ext: time partitions of the event log (and, later, of the inbox).
+-- outbox_ext: partitions of the event log and the inbox, and their maintenance.
 --
--- Partitions are aligned to multiples of their width since the Unix epoch, named
--- <parent>_pYYYYMMDD_HH24MISS after their lower bound in UTC, and created ahead of time.
--- A default partition catches rows outside every range so that emit never fails for want of
--- a partition; outbox.maintain() reports and moves such rows.
+-- outbox.events is partitioned by created_at, inbox.messages by message_id (UUIDv7, so by
+-- time too). outbox.maintain() keeps both: it creates partitions ahead, drops (or detaches)
+-- those past their retention — for events only once every consumer has read past all of their
+-- events — and moves rows that landed in a default partition into partitions of their own.
+-- Partitions are named <parent>_pYYYYMMDD_HH24MISS after their lower bound in UTC.
 
-CREATE FUNCTION outbox._ensure_partitions(parent regclass, width interval, ahead int)
-RETURNS int
-    LANGUAGE plpgsql VOLATILE
-    SET search_path = pg_catalog, pg_temp
+CREATE TABLE outbox.partition_config (
+    parent    regclass PRIMARY KEY,
+    width     interval NOT NULL CHECK (width > '0'),
+    ahead     int      NOT NULL DEFAULT 2 CHECK (ahead >= 0),
+    retention interval NOT NULL CHECK (retention >= '0'),
+    detach    boolean  NOT NULL DEFAULT false
+);
+COMMENT ON TABLE outbox.partition_config IS
+    'How outbox.maintain() partitions each table: width of a partition, how many to create ahead, '
+    'how long to keep them (for events: after every consumer has read them), and whether to detach '
+    'instead of drop. Example: UPDATE outbox.partition_config SET retention = ''3 days'' WHERE parent = ''outbox.events''::regclass;';
+INSERT INTO outbox.partition_config (parent, width, ahead, retention) VALUES
+    ('outbox.events', '1 day', 2, '2 days'),
+    ('inbox.messages', '1 day', 2, '7 days');
+
+CREATE FUNCTION outbox._partition_name(parent text, lo_at timestamptz) RETURNS text
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN parent || '_p' || pg_catalog.to_char(lo_at AT TIME ZONE 'UTC', 'YYYYMMDD"_"HH24MISS');
+
+-- The partition key column of a table, and its value at a moment, as a literal (the inbox's
+-- key is a UUIDv7).
+CREATE FUNCTION outbox._key_column(parent regclass) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN 'message_id' ELSE 'created_at' END;
+CREATE FUNCTION outbox._bound(parent regclass, at timestamptz) RETURNS text
+    LANGUAGE sql STABLE
+    RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN inbox.uuid_at(at)::text ELSE at::text END;
+
+-- Every partition of the two tables with its time range (NULLs for a default partition).
+CREATE VIEW outbox.partitions AS
+SELECT i.inhparent::regclass AS parent,
+       c.oid::regclass AS partition,
+       CASE WHEN i.inhparent = 'inbox.messages'::regclass THEN inbox.uuid_time(b[1]::uuid) ELSE b[1]::timestamptz END AS lower,
+       CASE WHEN i.inhparent = 'inbox.messages'::regclass THEN inbox.uuid_time(b[2]::uuid) ELSE b[2]::timestamptz END AS upper,
+       b IS NULL AS is_default,
+       pg_total_relation_size(c.oid) AS bytes
+  FROM pg_inherits i
+  JOIN pg_class c ON c.oid = i.inhrelid
+  LEFT JOIN LATERAL regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \(''([^'']*)''\) TO \(''([^'']*)''\)') AS b ON true
+ WHERE i.inhparent IN ('outbox.events'::regclass, 'inbox.messages'::regclass);
+COMMENT ON VIEW outbox.partitions IS 'Partitions of outbox.events and inbox.messages with their time ranges.';
+
+CREATE FUNCTION outbox._floor_time(at timestamptz, width interval) RETURNS timestamptz
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN to_timestamp(floor(extract(epoch FROM at) / extract(epoch FROM width)) * extract(epoch FROM width));
+
+-- Create the partition [lo_at, lo_at + width) of parent, clipped to the gap between existing
+-- partitions; rows for that range waiting in the default partition move into it first.
+-- Returns the partition created, or NULL if the range is already covered.
+CREATE FUNCTION outbox._create_partition(parent regclass, lo_at timestamptz, width interval)
+RETURNS regclass
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    step    double precision := extract(epoch FROM width);
-    nsp     text;
-    rel     text;
-    lower   timestamptz;
-    created int := 0;
+    hi_at timestamptz := lo_at + width;
+    nsp   text;
+    rel   text;
+    part  text;
+    dflt  regclass;
 BEGIN
-    IF width IS NULL OR step <= 0 OR extract(month FROM width) <> 0 OR extract(year FROM width) <> 0 THEN
-        RAISE EXCEPTION 'partition width % is not a fixed, positive interval', width
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Use a width in days, hours or minutes, e.g. ''1 day''.';
+    SELECT greatest(lo_at, max(p.upper)) INTO lo_at FROM outbox.partitions p
+     WHERE p.parent = _create_partition.parent AND NOT p.is_default AND p.upper > lo_at AND p.lower <= lo_at;
+    SELECT least(hi_at, min(p.lower)) INTO hi_at FROM outbox.partitions p
+     WHERE p.parent = _create_partition.parent AND NOT p.is_default AND p.lower >= lo_at AND p.lower < hi_at;
+    IF lo_at >= hi_at THEN
+        RETURN NULL;
     END IF;
     SELECT n.nspname, c.relname INTO nsp, rel
-      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-     WHERE c.oid = parent;
-    lower := to_timestamp(floor(extract(epoch FROM now()) / step) * step);
-    FOR i IN 0 .. greatest(ahead, 0) LOOP
-        IF to_regclass(format('%I.%I', nsp, outbox._partition_name(rel, lower))) IS NULL THEN
-            EXECUTE format('CREATE TABLE %I.%I PARTITION OF %I.%I FOR VALUES FROM (%L) TO (%L)',
-                           nsp, outbox._partition_name(rel, lower), nsp, rel,
-                           lower, lower + width);
-            created := created + 1;
-        END IF;
-        lower := lower + width;
-    END LOOP;
-    RETURN created;
+      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = parent;
+    part := outbox._partition_name(rel, lo_at);
+    SELECT p.partition INTO dflt FROM outbox.partitions p
+     WHERE p.parent = _create_partition.parent AND p.is_default;
+    -- Standalone first, then the default partition's rows of the range, then attach: a
+    -- default partition holding rows of the range would make a plain CREATE ... PARTITION OF fail.
+    EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
+                   nsp, part, nsp, rel);
+    IF dflt IS NOT NULL THEN
+        EXECUTE format('WITH moved AS (DELETE FROM %s d WHERE %I >= %L AND %I < %L RETURNING d.*) '
+                       'INSERT INTO %I.%I SELECT * FROM moved',
+                       dflt, outbox._key_column(parent), outbox._bound(parent, lo_at),
+                       outbox._key_column(parent), outbox._bound(parent, hi_at), nsp, part);
+    END IF;
+    EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
+                   nsp, rel, nsp, part, outbox._bound(parent, lo_at), outbox._bound(parent, hi_at));
+    RETURN format('%I.%I', nsp, part)::regclass;
 END
 $$;
-COMMENT ON FUNCTION outbox._ensure_partitions(regclass, interval, int) IS
-    'Creates the partition holding now() and the next AHEAD ones, where missing; returns how many it created.';
 
-CREATE FUNCTION outbox._partition_name(parent text, lower timestamptz) RETURNS text
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    RETURN parent || '_p' || pg_catalog.to_char(lower AT TIME ZONE 'UTC', 'YYYYMMDD"_"HH24MISS');
+-- Why an event partition past its retention must stay, or NULL when it may go. Rows of open
+-- transactions are invisible, so first: no open transaction started before the partition's
+-- upper bound (emit's created_at is the transaction's start, so it may still write there),
+-- and no transaction, prepared ones included, holds a lock on it (it has written there).
+-- Then every consumer must have read past every event: each event's transaction is visible
+-- in the lower bound of its shard's current window.
+CREATE FUNCTION outbox._partition_pending(part regclass, upper timestamptz) RETURNS text
+    LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    pending boolean;
+    pid     int;
+BEGIN
+    SELECT a.pid INTO pid FROM pg_stat_activity a
+     WHERE a.xact_start < _partition_pending.upper ORDER BY a.xact_start LIMIT 1;
+    IF FOUND THEN
+        RETURN format('transaction of backend %s, open since before the partition ends, may still write to it', pid);
+    END IF;
+    IF EXISTS (SELECT FROM pg_locks l WHERE l.relation = part AND l.pid IS DISTINCT FROM pg_backend_pid()) THEN
+        RETURN 'an open or prepared transaction has written to it';
+    END IF;
+    EXECUTE format(
+        'SELECT EXISTS (SELECT FROM outbox._shards s
+                          CROSS JOIN LATERAL (SELECT l.lo_snap FROM outbox._cursor_log l
+                                               WHERE l.consumer_id = s.consumer_id AND l.shard = s.shard
+                                               ORDER BY l.pos DESC LIMIT 1) AS cur
+                         WHERE EXISTS (SELECT FROM %s e WHERE e.shard = s.shard
+                                          AND NOT pg_visible_in_snapshot(e.txid, cur.lo_snap)))', part)
+        INTO pending;
+    RETURN CASE WHEN pending THEN 'a consumer has not read all its events' END;
+END
+$$;
+
+CREATE FUNCTION outbox.maintain()
+RETURNS TABLE (action text, relation text, detail text)
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg     outbox.partition_config;
+    p       outbox.partitions;
+    created regclass;
+    lo_at   timestamptz;
+    n       bigint;
+    why     text;
+BEGIN
+    IF pg_is_in_recovery() THEN
+        RETURN;  -- a replica follows its primary's maintenance
+    END IF;
+    IF NOT pg_try_advisory_xact_lock(hashtext('outbox.maintain')) THEN
+        RETURN QUERY SELECT 'skipped', NULL::text, 'another outbox.maintain() is running';
+        RETURN;
+    END IF;
+    FOR cfg IN SELECT * FROM outbox.partition_config LOOP
+        -- 1. rows that landed in the default partition: report them, move them into partitions
+        --    (inbox ids that are not UUIDv7 carry no time: they stay, and age out by received_at)
+        FOR lo_at IN EXECUTE format(
+                'SELECT DISTINCT outbox._floor_time(%s, %L) FROM %s %s',
+                CASE WHEN cfg.parent = 'inbox.messages'::regclass
+                     THEN 'inbox.uuid_time(message_id)' ELSE 'created_at' END,
+                cfg.width,
+                (SELECT d.partition FROM outbox.partitions d WHERE d.parent = cfg.parent AND d.is_default),
+                CASE WHEN cfg.parent = 'inbox.messages'::regclass
+                     THEN 'WHERE substr(message_id::text, 15, 1) = ''7''' ELSE '' END)
+        LOOP
+            created := outbox._create_partition(cfg.parent, lo_at, cfg.width);
+            IF created IS NOT NULL THEN
+                RAISE WARNING 'outbox.maintain: rows of % were in its default partition; moved them to %',
+                    cfg.parent, created;
+                RETURN QUERY SELECT 'moved', created::text, 'rows from the default partition';
+            END IF;
+        END LOOP;
+        -- 2. partitions ahead
+        lo_at := outbox._floor_time(now(), cfg.width);
+        FOR i IN 0 .. cfg.ahead LOOP
+            created := outbox._create_partition(cfg.parent, lo_at + cfg.width * i, cfg.width);
+            IF created IS NOT NULL THEN
+                RETURN QUERY SELECT 'created', created::text, NULL::text;
+            END IF;
+        END LOOP;
+        -- 3. partitions past retention: drop or detach, never with undelivered events
+        FOR p IN SELECT * FROM outbox.partitions x
+                  WHERE x.parent = cfg.parent AND NOT x.is_default AND x.upper <= now() - cfg.retention
+                  ORDER BY x.lower LOOP
+            IF cfg.parent = 'outbox.events'::regclass THEN
+                why := outbox._partition_pending(p.partition, p.upper);
+                IF why IS NOT NULL THEN
+                    RETURN QUERY SELECT 'kept', p.partition::text, 'past retention, but ' || why;
+                    CONTINUE;
+                END IF;
+            END IF;
+            IF cfg.detach THEN
+                EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', cfg.parent, p.partition);
+                RETURN QUERY SELECT 'detached', p.partition::text, NULL::text;
+            ELSE
+                RETURN QUERY SELECT 'dropped', p.partition::text, NULL::text;  -- named while it exists
+                EXECUTE format('DROP TABLE %s', p.partition);
+            END IF;
+        END LOOP;
+    END LOOP;
+    DELETE FROM inbox.messages_default m
+     WHERE m.received_at < now() - (SELECT c.retention FROM outbox.partition_config c
+                                     WHERE c.parent = 'inbox.messages'::regclass);
+    -- 4. cursor history and marks that no reader needs any more
+    DELETE FROM outbox._cursor_log l
+     WHERE l.at < now() - interval '10 minutes'
+       AND l.pos < (SELECT max(m.pos) FROM outbox._cursor_log m
+                     WHERE m.consumer_id = l.consumer_id AND m.shard = l.shard);
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n > 0 THEN
+        RETURN QUERY SELECT 'trimmed', 'outbox._cursor_log', n || ' old cursor rows';
+    END IF;
+    DELETE FROM outbox._marks m
+     WHERE m.at < now() - interval '1 hour' AND m.top < (SELECT max(k.top) FROM outbox._marks k);
+END
+$$;
+COMMENT ON FUNCTION outbox.maintain() IS
+    'Creates partitions ahead, drops (or detaches) those past retention once every consumer has '
+    'read them, moves rows out of default partitions, trims cursor history; returns what it did. '
+    'Safe to run concurrently (one runs, the other skips) and from pg_cron: '
+    'SELECT cron.schedule(''outbox-maintain'', ''* * * * *'', ''SELECT * FROM outbox.maintain()'');';
 
 CREATE TABLE outbox.events_default PARTITION OF outbox.events DEFAULT;
-SELECT outbox._ensure_partitions('outbox.events', '1 day', 2);
+CREATE TABLE inbox.messages_default PARTITION OF inbox.messages DEFAULT;
+SELECT count(*) FROM outbox.maintain();

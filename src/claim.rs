@@ -4,8 +4,4 @@
 
 use pgrx::prelude::*;
 
-extension_sql_file!(
-    "../sql/claim.sql",
-    name = "claim",
-    requires = ["events", "partitions"]
-);
+extension_sql_file!("../sql/claim.sql", name = "claim", requires = ["events"]);

@@ -7,6 +7,7 @@ mod claim;
 mod emit;
 mod errors;
 mod gucs;
+mod inbox;
 mod partitions;
 mod roles;
 

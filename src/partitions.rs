@@ -5,5 +5,5 @@ use pgrx::prelude::*;
 extension_sql_file!(
     "../sql/partitions.sql",
     name = "partitions",
-    requires = ["events"]
+    requires = ["events", "inbox", "claim"]
 );

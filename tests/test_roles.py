@@ -20,7 +20,9 @@ def test_producer_can_emit(connect, db):
     "VALUES (gen_random_uuid(), 'a', '1', 'e', 0)",
     "DELETE FROM outbox.events",
     "SELECT nextval('outbox.event_seq')",
-    "SELECT outbox._ensure_partitions('outbox.events', '1 day', 1)",
+    "SELECT * FROM outbox.maintain()",
+    "SELECT * FROM outbox.partition_config",
+    "SELECT * FROM inbox.messages",
     "SELECT outbox._event_id('a', '1', 'e', 1, NULL, NULL)",
 ])
 def test_producer_cannot_read_or_touch_events_or_internals(connect, db, sql):

@@ -1,0 +1,46 @@
+-- outbox_ext: the inbox — dedup for idempotent consumers.
+--
+-- inbox.claim(message_id, consumer) inserts (message_id, consumer) with ON CONFLICT DO NOTHING,
+-- in the caller's transaction, next to the effect it guards. The table is partitioned by
+-- message_id: outbox event ids are UUIDv7, whose leading 48 bits are the Unix time in ms, so
+-- id ranges are time ranges, the primary key holds across partitions, and the dedup window
+-- (retention) is enforced by dropping old partitions. Ids that are not UUIDv7 dedup all the
+-- same in the default partition.
+
+CREATE TABLE inbox.messages (
+    message_id  uuid        NOT NULL,
+    consumer    text        NOT NULL,
+    received_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (message_id, consumer)
+) PARTITION BY RANGE (message_id);
+COMMENT ON TABLE inbox.messages IS
+    'Messages consumers have processed, for dedup; partitioned by message_id (UUIDv7 time).';
+
+-- The smallest UUIDv7 of a moment, and the moment of a UUIDv7: partition bounds of the inbox.
+CREATE FUNCTION inbox.uuid_at(ts timestamptz) RETURNS uuid
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN (lpad(to_hex(floor(extract(epoch FROM ts) * 1000)::bigint), 12, '0') || '70008000000000000000')::uuid;
+COMMENT ON FUNCTION inbox.uuid_at(timestamptz) IS 'The smallest UUIDv7 made at a moment.';
+CREATE FUNCTION inbox.uuid_time(id uuid) RETURNS timestamptz
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN to_timestamp(('x' || lpad(left(replace(id::text, '-', ''), 12), 16, '0'))::bit(64)::bigint / 1000.0);
+COMMENT ON FUNCTION inbox.uuid_time(uuid) IS 'The time a UUIDv7 was made (meaningless for other UUIDs).';
+
+CREATE FUNCTION inbox.claim(message_id uuid, consumer text) RETURNS boolean
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF message_id IS NULL OR consumer IS NULL OR consumer = '' THEN
+        RAISE EXCEPTION 'message_id and consumer must not be NULL or empty'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass the event id you received and your consumer''s name.';
+    END IF;
+    INSERT INTO inbox.messages (message_id, consumer) VALUES (claim.message_id, claim.consumer)
+    ON CONFLICT DO NOTHING;
+    RETURN FOUND;
+END
+$$;
+COMMENT ON FUNCTION inbox.claim(uuid, text) IS
+    'True if the caller''s transaction is the first to process this message for this consumer. '
+    'A racing duplicate waits for the first transaction: false if it commits, true if it rolls back. '
+    'Example: IF inbox.claim(event_id, ''billing'') THEN <apply the effect> END IF;';

@@ -1,0 +1,159 @@
+"""outbox.maintain(): partitions ahead, default-partition rows moved, partitions dropped only
+when past retention and read by every consumer, safe when run twice at once."""
+
+import psycopg
+import pytest
+
+from relay import Relay
+
+
+def maintain(conn) -> list[tuple]:
+    return conn.execute("SELECT action, relation, detail FROM outbox.maintain()").fetchall()
+
+
+def insert_event_at(conn, key: str, at: str) -> None:
+    """An event written as emit writes it, but with a created_at of our choosing."""
+    conn.execute("""INSERT INTO outbox.events (id, aggregate_type, aggregate_id, event_type, payload, created_at, shard)
+                    VALUES (outbox.uuid_v7(), 'order', %s, 'e', '{}', now() + %s::interval, outbox.shard_of(%s))""",
+                 (key, at, key))
+
+
+def partition_of(conn, key: str) -> str:
+    return conn.execute("SELECT tableoid::regclass::text FROM outbox.events WHERE aggregate_id = %s", (key,)).fetchone()[0]
+
+
+def test_partitions_cover_now_and_ahead_and_maintain_is_idempotent(db):
+    assert [a for a, *_ in maintain(db) if a == "created"] == []
+    covered = db.execute("""
+        SELECT parent::text, bool_or(lower <= now() AND upper > now()),
+               bool_or(lower <= now() + interval '2 days' AND upper > now() + interval '2 days')
+          FROM outbox.partitions WHERE NOT is_default GROUP BY 1 ORDER BY 1""").fetchall()
+    assert covered == [("inbox.messages", True, True), ("outbox.events", True, True)]
+
+
+def test_rows_in_the_default_partition_are_reported_and_moved(db):
+    db.execute("SELECT outbox.create_consumer('c')")
+    insert_event_at(db, "future", "40 days")
+    assert partition_of(db, "future") == "outbox.events_default"
+    with _notices(db) as notices:
+        actions = maintain(db)
+    moved = [r for a, r, _ in actions if a == "moved"]
+    assert len(moved) == 1 and partition_of(db, "future") == moved[0]
+    assert any("default partition" in n for n in notices)
+    assert db.execute("SELECT count(*) FROM outbox.events_default").fetchone()[0] == 0
+    # still delivered, from its new partition
+    assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["future"]
+
+
+def test_inbox_rows_in_the_default_partition_are_moved(db):
+    mid = db.execute("SELECT inbox.uuid_at(now() + interval '30 days')").fetchone()[0]
+    db.execute("SELECT inbox.claim(%s, 'c')", (mid,))
+    assert db.execute("SELECT tableoid::regclass::text FROM inbox.messages").fetchone()[0] == "inbox.messages_default"
+    assert "moved" in [a for a, *_ in maintain(db)]
+    assert db.execute("SELECT tableoid::regclass::text FROM inbox.messages").fetchone()[0] != "inbox.messages_default"
+    assert db.execute("SELECT inbox.claim(%s, 'c')", (mid,)).fetchone()[0] is False, "still deduplicated"
+
+
+def test_a_partition_past_retention_is_kept_until_every_consumer_read_it(db):
+    db.execute("SELECT outbox.create_consumer('fast'); SELECT outbox.create_consumer('stuck')")
+    for i in range(5):
+        insert_event_at(db, f"old-{i}", "-10 days")
+    maintain(db)                                  # moves them into a partition 10 days old
+    old_part = partition_of(db, "old-0")
+    assert old_part != "outbox.events_default"
+    Relay(db, "fast").drain()
+    actions = maintain(db)
+    assert ("kept", old_part) in [(a, r) for a, r, _ in actions], actions
+    assert db.execute("SELECT count(*) FROM outbox.events WHERE aggregate_id LIKE 'old-%'").fetchone()[0] == 5
+    assert len(Relay(db, "stuck").drain()) == 5
+    actions = maintain(db)
+    assert ("dropped", old_part) in [(a, r) for a, r, _ in actions], actions
+    assert db.execute("SELECT to_regclass(%s)", (old_part,)).fetchone()[0] is None
+
+
+def test_an_open_transaction_keeps_its_partition(db, connect):
+    db.execute("SELECT outbox.create_consumer('c')")
+    for i in range(2):
+        insert_event_at(db, f"old-{i}", "-10 days")
+    maintain(db)
+    part = partition_of(db, "old-0")
+    writer = connect(autocommit=False)
+    insert_event_at(writer, "late", "-10 days")   # uncommitted, lands in the same old partition
+    Relay(db, "c").drain()
+    assert ("kept", part) in [(a, r) for a, r, _ in maintain(db)]
+    writer.commit()
+    assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["late"]
+    assert ("dropped", part) in [(a, r) for a, r, _ in maintain(db)]
+
+
+def test_detach_instead_of_drop(db):
+    db.execute("UPDATE outbox.partition_config SET detach = true WHERE parent = 'outbox.events'::regclass")
+    db.execute("SELECT outbox.create_consumer('c')")
+    insert_event_at(db, "old", "-10 days")
+    maintain(db)
+    part = partition_of(db, "old")
+    Relay(db, "c").drain()
+    assert ("detached", part) in [(a, r) for a, r, _ in maintain(db)]
+    assert db.execute(f"SELECT count(*) FROM {part}").fetchone()[0] == 1, "kept as a plain table"
+
+
+def test_two_maintain_at_once_one_skips(db, connect):
+    first = connect(autocommit=False)
+    first.execute("SELECT * FROM outbox.maintain()")   # holds its lock until commit
+    assert maintain(db) == [("skipped", None, "another outbox.maintain() is running")]
+    first.commit()
+    assert ("skipped", None, "another outbox.maintain() is running") not in maintain(db)
+
+
+def test_cursor_history_is_trimmed_and_claims_go_on(db):
+    db.execute("SELECT outbox.create_consumer('c')")
+    for i in range(30):
+        db.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (f"k{i}",))
+    relay = Relay(db, "c", batch_size=2)
+    relay.drain()
+    db.execute("UPDATE outbox._cursor_log SET at = now() - interval '1 hour'")
+    before = db.execute("SELECT count(*) FROM outbox._cursor_log").fetchone()[0]
+    assert "trimmed" in [a for a, *_ in maintain(db)]
+    assert db.execute("SELECT count(*) FROM outbox._cursor_log").fetchone()[0] == 16 < before
+    db.execute("SELECT outbox.emit('order', 'after', 'e', '{}')")
+    assert [e.aggregate_id for e in relay.drain()] == ["after"]
+
+
+def test_the_inbox_forgets_after_its_retention(db):
+    """The dedup window: a duplicate older than the retention is no longer recognized."""
+    mid = db.execute("SELECT inbox.uuid_at(now() - interval '30 days')").fetchone()[0]
+    assert db.execute("SELECT inbox.claim(%s, 'c')", (mid,)).fetchone()[0] is True
+    actions = maintain(db)
+    assert "dropped" in [a for a, *_ in actions], actions
+    assert db.execute("SELECT inbox.claim(%s, 'c')", (mid,)).fetchone()[0] is True
+
+
+class _notices:
+    def __init__(self, conn):
+        self.conn, self.items = conn, []
+
+    def __enter__(self):
+        self.conn.add_notice_handler(self._handle)
+        return self.items
+
+    def _handle(self, diag):
+        self.items.append(diag.message_primary)
+
+    def __exit__(self, *exc):
+        self.conn.remove_notice_handler(self._handle)
+
+
+def test_a_prepared_transaction_keeps_its_partition(db, connect):
+    db.execute("SELECT outbox.create_consumer('c')")
+    insert_event_at(db, "old", "-10 days")
+    maintain(db)
+    part = partition_of(db, "old")
+    writer = connect()
+    writer.execute("BEGIN")
+    insert_event_at(writer, "prepared", "-10 days")
+    writer.execute("PREPARE TRANSACTION 'held'")
+    Relay(db, "c").drain()
+    assert ("kept", part) in [(a, r) for a, r, _ in maintain(db)]
+    db.execute("COMMIT PREPARED 'held'")
+    assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["prepared"]
+    assert ("dropped", part) in [(a, r) for a, r, _ in maintain(db)]
