@@ -101,6 +101,19 @@ install_extension() {
     (cd "$ROOT" && CARGO_TARGET_DIR="$(build_dir "$major")" \
         cargo pgrx install "${flags[@]}" --pg-config "$(pg_config_of "$major")" \
         --no-default-features --features "pg$major" >/dev/null)
+    install_versioned_scripts "$major"
+}
+
+# Released install scripts and upgrade scripts (sql/upgrades), next to the generated one. A
+# line "-- @include FILE" in an upgrade script stands for sql/FILE, so the upgrade to the
+# current version reuses the (rerunnable) definitions instead of repeating them.
+install_versioned_scripts() {
+    local dir f; dir="$("$(pg_config_of "$1")" --sharedir)/extension"
+    for f in "$ROOT"/sql/upgrades/outbox_ext--*.sql; do
+        awk -v sql="$ROOT/sql" '
+            $1 == "--" && $2 == "@include" { while ((getline line < (sql "/" $3)) > 0) print line; close(sql "/" $3); next }
+            { print }' "$f" > "$dir/$(basename "$f")"
+    done
 }
 
 as_postgres() { runuser -u postgres -- "$@"; }

@@ -1,4 +1,5 @@
--- outbox_ext: privileges, all in one place. Runs last (finalize).
+-- outbox_ext: privileges, all in one place. Runs last (finalize); rerunnable (upgrade
+-- scripts include it).
 --
 -- Nothing is granted to PUBLIC. Producers reach the event log only through the SECURITY
 -- DEFINER emit functions (which pin search_path); they cannot read events or configuration.

@@ -6,8 +6,10 @@
 -- id ranges are time ranges, the primary key holds across partitions, and the dedup window
 -- (retention) is enforced by dropping old partitions. Ids that are not UUIDv7 dedup all the
 -- same in the default partition.
+--
+-- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
 
-CREATE TABLE inbox.messages (
+CREATE TABLE IF NOT EXISTS inbox.messages (
     message_id  uuid        NOT NULL,
     consumer    text        NOT NULL,
     received_at timestamptz NOT NULL DEFAULT now(),
@@ -17,16 +19,16 @@ COMMENT ON TABLE inbox.messages IS
     'Messages consumers have processed, for dedup; partitioned by message_id (UUIDv7 time).';
 
 -- The smallest UUIDv7 of a moment, and the moment of a UUIDv7: partition bounds of the inbox.
-CREATE FUNCTION inbox.uuid_at(ts timestamptz) RETURNS uuid
+CREATE OR REPLACE FUNCTION inbox.uuid_at(ts timestamptz) RETURNS uuid
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN (lpad(to_hex(floor(extract(epoch FROM ts) * 1000)::bigint), 12, '0') || '70008000000000000000')::uuid;
 COMMENT ON FUNCTION inbox.uuid_at(timestamptz) IS 'The smallest UUIDv7 made at a moment.';
-CREATE FUNCTION inbox.uuid_time(id uuid) RETURNS timestamptz
+CREATE OR REPLACE FUNCTION inbox.uuid_time(id uuid) RETURNS timestamptz
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN to_timestamp(('x' || lpad(left(replace(id::text, '-', ''), 12), 16, '0'))::bit(64)::bigint / 1000.0);
 COMMENT ON FUNCTION inbox.uuid_time(uuid) IS 'The time a UUIDv7 was made (meaningless for other UUIDs).';
 
-CREATE FUNCTION inbox.claim(message_id uuid, consumer text) RETURNS boolean
+CREATE OR REPLACE FUNCTION inbox.claim(message_id uuid, consumer text) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN

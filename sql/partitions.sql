@@ -5,8 +5,10 @@
 -- those past their retention — for events only once every consumer has read past all of their
 -- events — and moves rows that landed in a default partition into partitions of their own.
 -- Partitions are named <parent>_pYYYYMMDD_HH24MISS after their lower bound in UTC.
+--
+-- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
 
-CREATE TABLE outbox.partition_config (
+CREATE TABLE IF NOT EXISTS outbox.partition_config (
     parent    regclass PRIMARY KEY,
     width     interval NOT NULL CHECK (width > '0'),
     ahead     int      NOT NULL DEFAULT 2 CHECK (ahead >= 0),
@@ -19,23 +21,24 @@ COMMENT ON TABLE outbox.partition_config IS
     'instead of drop. Example: UPDATE outbox.partition_config SET retention = ''3 days'' WHERE parent = ''outbox.events''::regclass;';
 INSERT INTO outbox.partition_config (parent, width, ahead, retention) VALUES
     ('outbox.events', '1 day', 2, '2 days'),
-    ('inbox.messages', '1 day', 2, '7 days');
+    ('inbox.messages', '1 day', 2, '7 days')
+ON CONFLICT (parent) DO NOTHING;
 
-CREATE FUNCTION outbox._partition_name(parent text, lo_at timestamptz) RETURNS text
+CREATE OR REPLACE FUNCTION outbox._partition_name(parent text, lo_at timestamptz) RETURNS text
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN parent || '_p' || pg_catalog.to_char(lo_at AT TIME ZONE 'UTC', 'YYYYMMDD"_"HH24MISS');
 
 -- The partition key column of a table, and its value at a moment, as a literal (the inbox's
 -- key is a UUIDv7).
-CREATE FUNCTION outbox._key_column(parent regclass) RETURNS text
+CREATE OR REPLACE FUNCTION outbox._key_column(parent regclass) RETURNS text
     LANGUAGE sql IMMUTABLE
     RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN 'message_id' ELSE 'created_at' END;
-CREATE FUNCTION outbox._bound(parent regclass, at timestamptz) RETURNS text
+CREATE OR REPLACE FUNCTION outbox._bound(parent regclass, at timestamptz) RETURNS text
     LANGUAGE sql STABLE
     RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN inbox.uuid_at(at)::text ELSE at::text END;
 
 -- Every partition of the two tables with its time range (NULLs for a default partition).
-CREATE VIEW outbox.partitions AS
+CREATE OR REPLACE VIEW outbox.partitions AS
 SELECT i.inhparent::regclass AS parent,
        c.oid::regclass AS partition,
        CASE WHEN i.inhparent = 'inbox.messages'::regclass THEN inbox.uuid_time(b[1]::uuid) ELSE b[1]::timestamptz END AS lower,
@@ -48,14 +51,14 @@ SELECT i.inhparent::regclass AS parent,
  WHERE i.inhparent IN ('outbox.events'::regclass, 'inbox.messages'::regclass);
 COMMENT ON VIEW outbox.partitions IS 'Partitions of outbox.events and inbox.messages with their time ranges.';
 
-CREATE FUNCTION outbox._floor_time(at timestamptz, width interval) RETURNS timestamptz
+CREATE OR REPLACE FUNCTION outbox._floor_time(at timestamptz, width interval) RETURNS timestamptz
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN to_timestamp(floor(extract(epoch FROM at) / extract(epoch FROM width)) * extract(epoch FROM width));
 
 -- Create the partition [lo_at, lo_at + width) of parent, clipped to the gap between existing
 -- partitions; rows for that range waiting in the default partition move into it first.
 -- Returns the partition created, or NULL if the range is already covered.
-CREATE FUNCTION outbox._create_partition(parent regclass, lo_at timestamptz, width interval)
+CREATE OR REPLACE FUNCTION outbox._create_partition(parent regclass, lo_at timestamptz, width interval)
 RETURNS regclass
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
@@ -100,7 +103,7 @@ $$;
 -- and no transaction, prepared ones included, holds a lock on it (it has written there).
 -- Then every consumer must have read past every event: each event's transaction is visible
 -- in the lower bound of its shard's current window.
-CREATE FUNCTION outbox._partition_pending(part regclass, upper timestamptz) RETURNS text
+CREATE OR REPLACE FUNCTION outbox._partition_pending(part regclass, upper timestamptz) RETURNS text
     LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -127,7 +130,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION outbox.maintain()
+CREATE OR REPLACE FUNCTION outbox.maintain()
 RETURNS TABLE (action text, relation text, detail text)
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
@@ -215,6 +218,6 @@ COMMENT ON FUNCTION outbox.maintain() IS
     'Safe to run concurrently (one runs, the other skips) and from pg_cron: '
     'SELECT cron.schedule(''outbox-maintain'', ''* * * * *'', ''SELECT * FROM outbox.maintain()'');';
 
-CREATE TABLE outbox.events_default PARTITION OF outbox.events DEFAULT;
-CREATE TABLE inbox.messages_default PARTITION OF inbox.messages DEFAULT;
+CREATE TABLE IF NOT EXISTS outbox.events_default PARTITION OF outbox.events DEFAULT;
+CREATE TABLE IF NOT EXISTS inbox.messages_default PARTITION OF inbox.messages DEFAULT;
 SELECT count(*) FROM outbox.maintain();
