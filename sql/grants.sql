@@ -36,6 +36,7 @@ GRANT EXECUTE ON FUNCTION
 TO outbox_admin;
 GRANT ALL ON ALL TABLES IN SCHEMA outbox TO outbox_admin;
 GRANT EXECUTE ON FUNCTION outbox.maintain() TO outbox_admin;
+GRANT SELECT ON outbox.status, outbox.shard_status TO outbox_relay;
 
 REVOKE ALL ON ALL TABLES IN SCHEMA inbox FROM PUBLIC;
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA inbox FROM PUBLIC;

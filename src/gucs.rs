@@ -1,12 +1,38 @@
 //! Every GUC of outbox_ext, registered in one place under the reserved prefix `outbox_ext`.
 
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
+use std::ffi::CString;
+use std::time::Duration;
 
 /// Largest payload `emit` accepts, in bytes of the stored jsonb. Reloads on SIGHUP; users may
 /// lower or raise it per session.
 pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
 
+/// Databases the background worker serves, comma-separated. Reloads on SIGHUP.
+pub static DATABASES: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+
+/// Seconds between two runs of outbox.maintain() by the worker. Reloads on SIGHUP.
+pub static MAINTAIN_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(60);
+
 pub fn init() {
+    GucRegistry::define_string_guc(
+        c"outbox_ext.databases",
+        c"Databases the outbox_ext background worker serves, comma-separated.",
+        c"The worker waits in each until CREATE EXTENSION outbox_ext has run there.",
+        &DATABASES,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox_ext.maintain_interval",
+        c"How often the background worker runs outbox.maintain().",
+        c"",
+        &MAINTAIN_INTERVAL,
+        1,
+        86400,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
     GucRegistry::define_int_guc(
         c"outbox_ext.max_payload_bytes",
         c"Largest event payload emit accepts, in bytes.",
@@ -23,4 +49,21 @@ pub fn init() {
 /// The payload limit in bytes.
 pub fn max_payload_bytes() -> i64 {
     i64::from(MAX_PAYLOAD_BYTES.get())
+}
+
+/// The databases named in outbox_ext.databases, trimmed, without empty names or repeats.
+pub fn databases() -> Vec<String> {
+    let list = DATABASES.get();
+    let text = list.as_ref().and_then(|s| s.to_str().ok()).unwrap_or("");
+    let mut names: Vec<String> = Vec::new();
+    for name in text.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        if !names.iter().any(|n| n == name) {
+            names.push(name.to_owned());
+        }
+    }
+    names
+}
+
+pub fn maintain_interval() -> Duration {
+    Duration::from_secs(MAINTAIN_INTERVAL.get().max(1) as u64)
 }

@@ -10,10 +10,13 @@ mod gucs;
 mod inbox;
 mod partitions;
 mod roles;
+mod status;
+mod worker;
 
 pgrx::pg_module_magic!();
 
 #[pgrx::pg_guard]
 pub extern "C-unwind" fn _PG_init() {
     gucs::init();
+    worker::init();
 }

@@ -20,7 +20,9 @@ _counter = itertools.count()
 
 @pytest.fixture(scope="session", params=MAJORS, ids=[f"pg{m}" for m in MAJORS])
 def cluster(request):
-    c = Cluster(request.param).init()
+    # the background worker serves these databases (tests/test_worker.py creates them)
+    c = Cluster(request.param, {"outbox_ext.databases": "'worker_db'",
+                                "outbox_ext.maintain_interval": "1"}).init()
     c.start()
     with c.connect() as conn:
         conn.execute(f"CREATE DATABASE {TEMPLATE}")

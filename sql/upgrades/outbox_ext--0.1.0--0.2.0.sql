@@ -2,7 +2,7 @@
 --
 -- Why: 0.2.0 adds the inbox (inbox.claim: dedup for idempotent consumers) and partition
 -- maintenance (outbox.maintain, outbox.partition_config, outbox.partitions), which replaces
--- outbox._ensure_partitions. Events, consumers, cursors, parked keys and dead letters are not
+-- outbox._ensure_partitions, and the outbox.status and outbox.shard_status views. Events, consumers, cursors, parked keys and dead letters are not
 -- touched: pending events stay pending, in order.
 --
 -- Rerunnable. Each "-- @include" line stands for that file of sql/, expanded when the
@@ -15,4 +15,5 @@ DROP FUNCTION IF EXISTS outbox._partition_name(text, timestamptz);  -- a paramet
 
 -- @include inbox.sql
 -- @include partitions.sql
+-- @include status.sql
 -- @include grants.sql

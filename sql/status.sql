@@ -1,0 +1,53 @@
+-- outbox_ext: what is left to deliver, per consumer and per shard, and why.
+--
+-- An event is pending for a consumer while its transaction is not visible in the lower bound
+-- of its shard's current window (minus what the window has already delivered). Every such
+-- event has a seq above the window's floors, which bounds the index scan.
+
+CREATE OR REPLACE VIEW outbox.shard_status AS
+SELECT c.name AS consumer,
+       cur.shard,
+       pend.events AS pending,
+       pend.oldest AS oldest_pending_at,
+       now() - pend.oldest AS lag,
+       (SELECT count(*) FROM outbox._parked p WHERE p.consumer_id = c.id AND p.shard = cur.shard) AS parked_keys,
+       CASE WHEN cur.owner IS NOT NULL AND cur.lease_until > now() THEN cur.owner END AS leased_by,
+       cur.at AS last_activity
+  FROM outbox.consumers c
+ CROSS JOIN generate_series(0, outbox.shard_count() - 1) AS s(shard)
+ CROSS JOIN LATERAL (SELECT * FROM outbox._cursor_log l
+                      WHERE l.consumer_id = c.id AND l.shard = s.shard
+                      ORDER BY l.pos DESC LIMIT 1) AS cur
+ CROSS JOIN LATERAL (
+        SELECT count(*) AS events, min(e.created_at) AS oldest
+          FROM outbox.events e
+         WHERE e.shard = cur.shard
+           AND e.seq > least(cur.lo_seq, (SELECT min(f) FROM unnest(cur.lo_floors) AS f))
+           AND NOT pg_visible_in_snapshot(e.txid, cur.lo_snap)
+           AND NOT (cur.hi_snap IS NOT NULL AND e.seq <= coalesce(cur.after_seq, -1)
+                    AND pg_visible_in_snapshot(e.txid, cur.hi_snap))) AS pend;
+COMMENT ON VIEW outbox.shard_status IS
+    'Per consumer and shard: pending events, the oldest one and its age, parked keys, who holds the lease.';
+
+CREATE OR REPLACE VIEW outbox.status AS
+SELECT s.consumer,
+       sum(s.pending)::bigint AS pending,
+       min(s.oldest_pending_at) AS oldest_pending_at,
+       now() - min(s.oldest_pending_at) AS lag,
+       sum(s.parked_keys)::bigint AS parked_keys,
+       (SELECT count(*) FROM outbox._parked_events q JOIN outbox.consumers c ON c.id = q.consumer_id
+         WHERE c.name = s.consumer) AS parked_events,
+       (SELECT count(*) FROM outbox.dead_letters d WHERE d.consumer = s.consumer) AS dead_letters,
+       coalesce((SELECT p.last_error FROM outbox._parked p JOIN outbox.consumers c ON c.id = p.consumer_id
+                  WHERE c.name = s.consumer ORDER BY p.parked_at DESC LIMIT 1),
+                (SELECT d.last_error FROM outbox.dead_letters d WHERE d.consumer = s.consumer
+                  ORDER BY d.id DESC LIMIT 1)) AS last_error,
+       count(s.leased_by) AS shards_leased,
+       max(s.last_activity) AS last_activity,
+       (SELECT count(*) FROM outbox.events_default) AS events_in_default_partition
+  FROM outbox.shard_status s
+ GROUP BY s.consumer;
+COMMENT ON VIEW outbox.status IS
+    'One row per consumer: pending events and lag, parked keys and events, dead letters, the last '
+    'error, leased shards, and events waiting in the default partition (outbox.maintain() moves them). '
+    'Example: SELECT consumer, pending, lag, dead_letters, last_error FROM outbox.status;';

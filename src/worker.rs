@@ -1,0 +1,220 @@
+//! The background worker.
+//!
+//! A launcher, started by the postmaster when outbox_ext is in shared_preload_libraries,
+//! starts one worker per database named in `outbox_ext.databases` and starts it again
+//! whenever it stops (killed, crashed, or its database appeared late). A worker waits quietly
+//! until CREATE EXTENSION has run in its database, then runs outbox.maintain() every
+//! `outbox_ext.maintain_interval`. Both reload their settings on SIGHUP and stop on SIGTERM.
+//! Errors end the worker with an ERROR in the log; the launcher starts it again.
+
+use crate::gucs;
+use pgrx::bgworkers::{
+    BackgroundWorker, BackgroundWorkerBuilder, BackgroundWorkerStatus, DynamicBackgroundWorker,
+    SignalWakeFlags,
+};
+use pgrx::prelude::*;
+use std::collections::{HashMap, HashSet};
+use std::ffi::CString;
+use std::time::{Duration, Instant};
+
+/// How often the launcher looks at its workers (it is also woken when one stops).
+const LAUNCHER_NAP: Duration = Duration::from_secs(5);
+/// How often a worker wakes to see whether it has something to do.
+const WORKER_NAP: Duration = Duration::from_secs(1);
+
+/// Registers the launcher; a no-op unless loaded through shared_preload_libraries.
+pub fn init() {
+    if !unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
+        return;
+    }
+    BackgroundWorkerBuilder::new("outbox_ext launcher")
+        .set_type("outbox_ext launcher")
+        .set_library("outbox_ext")
+        .set_function("outbox_ext_launcher_main")
+        .enable_spi_access()
+        .set_restart_time(Some(LAUNCHER_NAP))
+        .load();
+}
+
+#[pg_guard]
+#[no_mangle]
+pub extern "C-unwind" fn outbox_ext_launcher_main(_arg: pg_sys::Datum) {
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    // No database: the launcher only looks databases up in the shared catalog.
+    BackgroundWorker::connect_worker_to_spi(None, None);
+    let mut workers: HashMap<String, DynamicBackgroundWorker> = HashMap::new();
+    let mut reported_missing: HashSet<String> = HashSet::new();
+    loop {
+        report_activity("starting workers");
+        for db in gucs::databases() {
+            if workers.get(&db).is_some_and(is_running) {
+                continue;
+            }
+            if !database_exists(&db) {
+                if reported_missing.insert(db.clone()) {
+                    warning!("outbox_ext: database \"{db}\" in outbox_ext.databases does not exist; waiting for it");
+                }
+                continue;
+            }
+            reported_missing.remove(&db);
+            match start_worker(&db) {
+                Some(worker) => {
+                    workers.insert(db, worker);
+                }
+                None => warning!(
+                    "outbox_ext: could not start a worker for \"{db}\" (max_worker_processes?)"
+                ),
+            }
+        }
+        report_activity("idle");
+        if !BackgroundWorker::wait_latch(Some(LAUNCHER_NAP)) {
+            break;
+        }
+        reload_on_sighup();
+    }
+    log!("outbox_ext launcher stopping");
+}
+
+fn is_running(worker: &DynamicBackgroundWorker) -> bool {
+    !matches!(worker.pid(), Err(BackgroundWorkerStatus::Stopped))
+}
+
+/// A heap scan of the shared catalog pg_database, as the autovacuum launcher does: with no
+/// database selected, neither SQL nor an index scan can run.
+fn database_exists(db: &str) -> bool {
+    BackgroundWorker::transaction(|| unsafe {
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let rel = pg_sys::table_open(pg_sys::DatabaseRelationId, lock);
+        let scan = pg_sys::table_beginscan_catalog(rel, 0, std::ptr::null_mut());
+        let mut found = false;
+        loop {
+            let tuple = pg_sys::heap_getnext(scan, pg_sys::ScanDirection::ForwardScanDirection);
+            if tuple.is_null() {
+                break;
+            }
+            let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_database>(tuple);
+            let name = std::ffi::CStr::from_ptr((*form).datname.data.as_ptr());
+            if name.to_bytes() == db.as_bytes() {
+                found = (*form).datallowconn;
+                break;
+            }
+        }
+        pg_sys::table_endscan(scan);
+        pg_sys::table_close(rel, lock);
+        found
+    })
+}
+
+fn start_worker(db: &str) -> Option<DynamicBackgroundWorker> {
+    BackgroundWorkerBuilder::new(&format!("outbox_ext worker {db}"))
+        .set_type("outbox_ext worker")
+        .set_library("outbox_ext")
+        .set_function("outbox_ext_worker_main")
+        .set_extra(db)
+        .enable_spi_access()
+        .set_restart_time(None) // the launcher restarts it, after checking its database exists
+        .set_notify_pid(unsafe { pg_sys::MyProcPid })
+        .load_dynamic()
+        .ok()
+}
+
+#[pg_guard]
+#[no_mangle]
+pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    let db = BackgroundWorker::get_extra().to_owned();
+    BackgroundWorker::connect_worker_to_spi(Some(&db), None);
+    if !take_database_lock() {
+        return; // another worker serves this database (a launcher restarted); leave it be
+    }
+    log!("outbox_ext worker started for database \"{db}\"");
+    report_activity("idle");
+    let mut next_maintain = Instant::now();
+    let mut said_waiting = false;
+    while BackgroundWorker::wait_latch(Some(WORKER_NAP)) {
+        reload_on_sighup();
+        if Instant::now() < next_maintain {
+            continue;
+        }
+        if !extension_installed() {
+            if !said_waiting {
+                log!("outbox_ext worker: waiting for CREATE EXTENSION outbox_ext in \"{db}\"");
+                said_waiting = true;
+            }
+            continue;
+        }
+        maintain();
+        next_maintain = Instant::now() + gucs::maintain_interval();
+    }
+    log!("outbox_ext worker for \"{db}\" stopping");
+}
+
+/// One worker per database: a session advisory lock, held for the worker's life.
+fn take_database_lock() -> bool {
+    BackgroundWorker::transaction(|| {
+        Spi::get_one::<bool>(
+            "SELECT pg_catalog.pg_try_advisory_lock(pg_catalog.hashtext('outbox_ext worker'))",
+        )
+    })
+    .ok()
+    .flatten()
+    .unwrap_or(false)
+}
+
+fn extension_installed() -> bool {
+    BackgroundWorker::transaction(|| {
+        Spi::get_one::<bool>(
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext')",
+        )
+    })
+    .ok()
+    .flatten()
+    .unwrap_or(false)
+}
+
+/// Runs outbox.maintain() in a transaction of its own and logs what it did.
+fn maintain() {
+    report_activity("outbox.maintain()");
+    let actions: Vec<String> = BackgroundWorker::transaction(|| {
+        Spi::connect_mut(|client| {
+            client
+                .update(
+                    "SELECT action, relation, detail FROM outbox.maintain()",
+                    None,
+                    &[],
+                )
+                .map(|rows| {
+                    rows.map(|row| {
+                        let part = |i| row.get::<String>(i).ok().flatten().unwrap_or_default();
+                        format!("{} {} {}", part(1), part(2), part(3))
+                            .trim()
+                            .to_owned()
+                    })
+                    .collect()
+                })
+                .unwrap_or_default()
+        })
+    });
+    for action in actions.iter().filter(|a| !a.starts_with("skipped")) {
+        log!("outbox_ext maintain: {action}");
+    }
+    report_activity("idle");
+}
+
+fn reload_on_sighup() {
+    if BackgroundWorker::sighup_received() {
+        unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+    }
+}
+
+/// Shows what the process is doing in pg_stat_activity.query.
+fn report_activity(what: &str) {
+    let state = if what == "idle" {
+        pg_sys::BackendState::STATE_IDLE
+    } else {
+        pg_sys::BackendState::STATE_RUNNING
+    };
+    if let Ok(text) = CString::new(what) {
+        unsafe { pg_sys::pgstat_report_activity(state, text.as_ptr()) };
+    }
+}

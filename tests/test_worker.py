@@ -1,0 +1,112 @@
+"""The background worker, as real processes: it waits quietly for CREATE EXTENSION, runs
+outbox.maintain() on its schedule, comes back after being killed or after a restart of the
+server, follows outbox_ext.databases on SIGHUP, and shows itself in pg_stat_activity."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+
+def wait_for(what, timeout: float = 30.0, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what.__doc__ or what}")
+
+
+def worker_pid(cluster, db: str = "worker_db"):
+    """the worker's pid"""
+    with cluster.connect() as conn:
+        row = conn.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_ext worker' "
+                           "AND datname = %s", (db,)).fetchone()
+    return row and row[0]
+
+
+@pytest.fixture
+def worker_db(cluster):
+    with cluster.connect() as conn:
+        conn.execute("DROP DATABASE IF EXISTS worker_db WITH (FORCE)")
+        conn.execute("CREATE DATABASE worker_db")
+    yield "worker_db"
+    with cluster.connect() as conn:
+        conn.execute("DROP DATABASE IF EXISTS worker_db WITH (FORCE)")
+
+
+def test_waits_quietly_for_create_extension_then_runs_maintenance(cluster, worker_db):
+    log_start = len(cluster.log())
+    wait_for(lambda: worker_pid(cluster))
+    wait_for(lambda: "waiting for CREATE EXTENSION outbox_ext in \"worker_db\"" in cluster.log()[log_start:])
+    time.sleep(2)
+    assert "ERROR" not in cluster.log()[log_start:] and "FATAL" not in cluster.log()[log_start:]
+    with cluster.connect(worker_db) as db:
+        db.execute("CREATE EXTENSION outbox_ext")
+        db.execute("""INSERT INTO outbox.events (id, aggregate_type, aggregate_id, event_type, payload, created_at, shard)
+                      VALUES (outbox.uuid_v7(), 'order', 'k', 'e', '{}', now() + interval '40 days', outbox.shard_of('k'))""")
+
+        def moved():
+            """the worker's outbox.maintain() to move the row out of the default partition"""
+            return db.execute("SELECT tableoid::regclass::text FROM outbox.events").fetchone()[0] != "outbox.events_default"
+        wait_for(moved, timeout=15)
+    assert "outbox_ext maintain: moved" in cluster.log()[log_start:]
+
+
+def test_shows_itself_in_pg_stat_activity(cluster, worker_db):
+    wait_for(lambda: worker_pid(cluster))
+    with cluster.connect() as conn:
+        rows = conn.execute("SELECT backend_type, datname, query FROM pg_stat_activity "
+                            "WHERE backend_type LIKE 'outbox_ext%' ORDER BY 1").fetchall()
+    kinds = {r[0] for r in rows}
+    assert kinds == {"outbox_ext launcher", "outbox_ext worker"}
+    assert all(r[2] in ("idle", "outbox.maintain()", "starting workers") for r in rows)
+
+
+def test_a_killed_worker_is_started_again(cluster, worker_db):
+    first = wait_for(lambda: worker_pid(cluster))
+    with cluster.connect() as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (first,))
+    second = wait_for(lambda: (pid := worker_pid(cluster)) and pid != first and pid, timeout=20)
+    assert second != first
+    with cluster.connect() as conn:   # the cluster itself is fine
+        assert conn.execute("SELECT 1").fetchone()[0] == 1
+
+
+def test_sighup_serves_newly_listed_databases(cluster, worker_db):
+    with cluster.connect() as conn:
+        conn.execute("DROP DATABASE IF EXISTS worker_db2")
+        conn.execute("CREATE DATABASE worker_db2")
+        try:
+            assert worker_pid(cluster, "worker_db2") is None
+            conn.execute("ALTER SYSTEM SET outbox_ext.databases = 'worker_db, worker_db2'")
+            conn.execute("SELECT pg_reload_conf()")
+            wait_for(lambda: worker_pid(cluster, "worker_db2"), timeout=20)
+        finally:
+            conn.execute("ALTER SYSTEM RESET outbox_ext.databases")
+            conn.execute("SELECT pg_reload_conf()")
+            conn.execute("DROP DATABASE IF EXISTS worker_db2 WITH (FORCE)")
+
+
+def test_a_listed_database_that_does_not_exist_is_reported_once(cluster, worker_db):
+    wait_for(lambda: worker_pid(cluster))
+    log_start = len(cluster.log())
+    with cluster.connect() as conn:
+        conn.execute("DROP DATABASE worker_db WITH (FORCE)")
+    wait_for(lambda: 'database "worker_db" in outbox_ext.databases does not exist' in cluster.log()[log_start:])
+    time.sleep(6)   # a launcher round later: no repeat, no crash loop
+    assert cluster.log()[log_start:].count('"worker_db" in outbox_ext.databases does not exist') == 1
+    # at most the one worker restarted while DROP DATABASE was under way fails to connect
+    assert cluster.log()[log_start:].count("FATAL") <= 1
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_stops_cleanly_and_comes_back_after_a_server_restart(cluster, worker_db, mode):
+    wait_for(lambda: worker_pid(cluster))
+    log_start = len(cluster.log())
+    cluster.restart(mode)
+    if mode == "fast":
+        assert 'outbox_ext worker for "worker_db" stopping' in cluster.log()[log_start:]
+    wait_for(lambda: worker_pid(cluster), timeout=30)
