@@ -187,6 +187,13 @@ BEGIN
                     CONTINUE;
                 END IF;
             END IF;
+            -- Partitions made by CREATE EXTENSION belong to the extension, which would refuse
+            -- to let them go (and would drop a detached one with itself): release them first.
+            IF EXISTS (SELECT FROM pg_depend d
+                        WHERE d.classid = 'pg_class'::regclass AND d.objid = p.partition
+                          AND d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e') THEN
+                EXECUTE format('ALTER EXTENSION outbox_ext DROP TABLE %s', p.partition);
+            END IF;
             IF cfg.detach THEN
                 EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', cfg.parent, p.partition);
                 RETURN QUERY SELECT 'detached', p.partition::text, NULL::text;
@@ -199,9 +206,9 @@ BEGIN
     DELETE FROM inbox.messages_default m
      WHERE m.received_at < now() - (SELECT c.retention FROM outbox.partition_config c
                                      WHERE c.parent = 'inbox.messages'::regclass);
-    -- 4. cursor history and marks that no reader needs any more
+    -- 4. cursor history (a minute of it is kept, for a look at what happened) and marks
     DELETE FROM outbox._cursor_log l
-     WHERE l.at < now() - interval '10 minutes'
+     WHERE l.at < now() - interval '1 minute'
        AND l.pos < (SELECT max(m.pos) FROM outbox._cursor_log m
                      WHERE m.consumer_id = l.consumer_id AND m.shard = l.shard);
     GET DIAGNOSTICS n = ROW_COUNT;

@@ -157,3 +157,15 @@ def test_a_prepared_transaction_keeps_its_partition(db, connect):
     db.execute("COMMIT PREPARED 'held'")
     assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["prepared"]
     assert ("dropped", part) in [(a, r) for a, r, _ in maintain(db)]
+
+
+def test_partitions_made_by_create_extension_can_be_dropped_too(db):
+    """CREATE EXTENSION's partitions belong to the extension; maintain must still let them go."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    insert_event_at(db, "old", "-10 days")
+    maintain(db)
+    part = partition_of(db, "old")
+    db.execute(f"ALTER EXTENSION outbox_ext ADD TABLE {part}")   # as if CREATE EXTENSION had made it
+    Relay(db, "c").drain()
+    assert ("dropped", part) in [(a, r) for a, r, _ in maintain(db)]
+    assert db.execute("SELECT to_regclass(%s)", (part,)).fetchone()[0] is None
