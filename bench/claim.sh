@@ -33,14 +33,7 @@ BEGIN
 END $$;
 SQL
 
-cat > "$WORK/outbox.sql" <<'SQL'
-SELECT coalesce(min(shard), -1) AS shard, coalesce(min(epoch), -1) AS epoch, count(*) AS n,
-       sum(length(payload::text)) AS bytes
-  FROM outbox.claim('bench', :batch) \gset
-\if :n
-SELECT outbox.ack('bench', :shard, :epoch);
-\endif
-SQL
+write_outbox_relay "$WORK/outbox.sql" :batch
 cat > "$WORK/plain.sql" <<'SQL'
 WITH batch AS (SELECT id FROM plain_outbox WHERE published_at IS NULL
                 ORDER BY created_at LIMIT :batch FOR UPDATE SKIP LOCKED),

@@ -31,3 +31,15 @@ pgbench_run() {
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b > 0) printf "%.2fx", a/b; else print "-" }'; }
 now_s() { date +%s.%N; }
+
+# write_outbox_relay FILE BATCH: a pgbench script for one relay step of outbox_ext: claim (one
+# transaction), touch every payload, ack (the next); nothing when no shard has work.
+write_outbox_relay() {
+    printf '%s\n' \
+        "SELECT coalesce(min(shard), -1) AS shard, coalesce(min(epoch), -1) AS epoch, count(*) AS n," \
+        "       sum(length(payload::text)) AS bytes" \
+        "  FROM outbox.claim('bench', $2) \\gset" \
+        "\\if :n" \
+        "SELECT outbox.ack('bench', :shard, :epoch);" \
+        "\\endif" > "$1"
+}

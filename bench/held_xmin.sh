@@ -39,14 +39,7 @@ INSERT INTO business (v) VALUES (:id);
 INSERT INTO plain_outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', :id, 'order.created', '{"total": 10}');
 COMMIT;
 SQL
-cat > "$WORK/relay_outbox.sql" <<'SQL'
-SELECT coalesce(min(shard), -1) AS shard, coalesce(min(epoch), -1) AS epoch, count(*) AS n,
-       sum(length(payload::text)) AS bytes
-  FROM outbox.claim('bench', 100) \gset
-\if :n
-SELECT outbox.ack('bench', :shard, :epoch);
-\endif
-SQL
+write_outbox_relay "$WORK/relay_outbox.sql" 100
 cat > "$WORK/relay_plain.sql" <<'SQL'
 WITH batch AS (SELECT id FROM plain_outbox WHERE published_at IS NULL
                 ORDER BY created_at LIMIT 100 FOR UPDATE SKIP LOCKED),

@@ -151,25 +151,19 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
 
 /// One worker per database: a session advisory lock, held for the worker's life.
 fn take_database_lock() -> bool {
-    BackgroundWorker::transaction(|| {
-        Spi::get_one::<bool>(
-            "SELECT pg_catalog.pg_try_advisory_lock(pg_catalog.hashtext('outbox_ext worker'))",
-        )
-    })
-    .ok()
-    .flatten()
-    .unwrap_or(false)
+    ask("SELECT pg_catalog.pg_try_advisory_lock(pg_catalog.hashtext('outbox_ext worker'))")
 }
 
 fn extension_installed() -> bool {
-    BackgroundWorker::transaction(|| {
-        Spi::get_one::<bool>(
-            "SELECT EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext')",
-        )
-    })
-    .ok()
-    .flatten()
-    .unwrap_or(false)
+    ask("SELECT EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext')")
+}
+
+/// A yes/no question to the database, in a transaction of its own; no answer is a no.
+fn ask(query: &'static str) -> bool {
+    BackgroundWorker::transaction(|| Spi::get_one::<bool>(query))
+        .ok()
+        .flatten()
+        .unwrap_or(false)
 }
 
 /// Runs outbox.maintain() in a transaction of its own and logs what it did.
