@@ -27,8 +27,11 @@
 -- reads past them, and the shard goes on with other keys. The queue's head is retried with
 -- exponential backoff and jitter; after max_attempts it goes to outbox.dead_letters and the key
 -- moves on. When the queue is empty the key is unparked and flows with its shard again.
+--
+-- Rerunnable (upgrade scripts include it): tables and indexes only where missing, functions
+-- replaced. A changed table needs its own ALTER in the upgrade script.
 
-CREATE TABLE outbox.consumers (
+CREATE TABLE IF NOT EXISTS outbox.consumers (
     id           int         GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     name         text        NOT NULL UNIQUE,
     max_attempts int         NOT NULL DEFAULT 10 CHECK (max_attempts >= 1),
@@ -40,14 +43,14 @@ COMMENT ON TABLE outbox.consumers IS
     'Named readers of the event log (one per sink); each has its own cursor in every shard.';
 
 -- What claims lock (FOR UPDATE SKIP LOCKED) to take a shard; never updated.
-CREATE TABLE outbox._shards (
+CREATE TABLE IF NOT EXISTS outbox._shards (
     consumer_id int NOT NULL REFERENCES outbox.consumers ON DELETE CASCADE,
     shard       int NOT NULL,
     PRIMARY KEY (consumer_id, shard)
 );
 
 -- The cursor of each (consumer, shard) as an append-only log; the newest row is the state.
-CREATE TABLE outbox._cursor_log (
+CREATE TABLE IF NOT EXISTS outbox._cursor_log (
     consumer_id int         NOT NULL REFERENCES outbox.consumers ON DELETE CASCADE,
     shard       int         NOT NULL,
     pos         bigint      GENERATED ALWAYS AS IDENTITY,
@@ -72,9 +75,10 @@ CREATE TABLE outbox._cursor_log (
     heads       uuid[],                -- claim rows: parked head events handed out
     at          timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX ON outbox._cursor_log (consumer_id, shard, pos DESC);
+CREATE INDEX IF NOT EXISTS _cursor_log_consumer_id_shard_pos_idx
+    ON outbox._cursor_log (consumer_id, shard, pos DESC);
 
-CREATE TABLE outbox._parked (
+CREATE TABLE IF NOT EXISTS outbox._parked (
     consumer_id     int         NOT NULL REFERENCES outbox.consumers ON DELETE CASCADE,
     aggregate_id    text        NOT NULL,
     shard           int         NOT NULL,
@@ -85,9 +89,10 @@ CREATE TABLE outbox._parked (
     parked_at       timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer_id, aggregate_id)
 );
-CREATE INDEX ON outbox._parked (consumer_id, shard, next_attempt_at);
+CREATE INDEX IF NOT EXISTS _parked_consumer_id_shard_next_attempt_at_idx
+    ON outbox._parked (consumer_id, shard, next_attempt_at);
 
-CREATE TABLE outbox._parked_events (
+CREATE TABLE IF NOT EXISTS outbox._parked_events (
     consumer_id    int         NOT NULL,
     aggregate_id   text        NOT NULL,
     pos            bigint      GENERATED ALWAYS AS IDENTITY,
@@ -104,7 +109,7 @@ CREATE TABLE outbox._parked_events (
     FOREIGN KEY (consumer_id, aggregate_id) REFERENCES outbox._parked ON DELETE CASCADE
 );
 
-CREATE TABLE outbox.dead_letters (
+CREATE TABLE IF NOT EXISTS outbox.dead_letters (
     id             bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     consumer       text        NOT NULL,
     event_id       uuid        NOT NULL,
@@ -120,7 +125,8 @@ CREATE TABLE outbox.dead_letters (
     last_error     text,
     dead_at        timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX ON outbox.dead_letters (consumer, aggregate_id, id);
+CREATE INDEX IF NOT EXISTS dead_letters_consumer_aggregate_id_id_idx
+    ON outbox.dead_letters (consumer, aggregate_id, id);
 COMMENT ON TABLE outbox.dead_letters IS
     'Events a consumer gave up on after max_attempts, with the last error; outbox.replay re-queues them.';
 
@@ -128,27 +134,32 @@ COMMENT ON TABLE outbox.dead_letters IS
 -- transaction with a greater xid has only events above the mark's seq, which gives every
 -- in-progress transaction a recent floor however old the cursor's bounds are. Insert-only;
 -- outbox.maintain() trims old marks.
-CREATE TABLE outbox._marks (
+CREATE TABLE IF NOT EXISTS outbox._marks (
     top xid8        PRIMARY KEY,
     seq bigint      NOT NULL,
     at  timestamptz NOT NULL DEFAULT now()
 );
 
 -- One row of a claimed batch.
-CREATE TYPE outbox.claimed AS (
-    shard          int,
-    epoch          bigint,
-    id             uuid,
-    topic          text,
-    aggregate_type text,
-    aggregate_id   text,
-    event_type     text,
-    payload        jsonb,
-    headers        jsonb,
-    created_at     timestamptz,
-    seq            bigint,
-    attempt        int
-);
+DO $type$
+BEGIN
+    CREATE TYPE outbox.claimed AS (
+        shard          int,
+        epoch          bigint,
+        id             uuid,
+        topic          text,
+        aggregate_type text,
+        aggregate_id   text,
+        event_type     text,
+        payload        jsonb,
+        headers        jsonb,
+        created_at     timestamptz,
+        seq            bigint,
+        attempt        int
+    );
+EXCEPTION WHEN duplicate_object THEN NULL;  -- rerun: the type is there
+END
+$type$;
 COMMENT ON TYPE outbox.claimed IS
     'A claimed event: ack or nack it with (shard, epoch); attempt is 1 + its earlier failures.';
 
@@ -156,7 +167,7 @@ COMMENT ON TYPE outbox.claimed IS
 -- Internals
 ---------------------------------------------------------------------------------------------
 
-CREATE FUNCTION outbox._consumer(name text) RETURNS outbox.consumers
+CREATE OR REPLACE FUNCTION outbox._consumer(name text) RETURNS outbox.consumers
     LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -172,7 +183,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION outbox._check_shard(shard int) RETURNS void
+CREATE OR REPLACE FUNCTION outbox._check_shard(shard int) RETURNS void
     LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -186,7 +197,7 @@ END
 $$;
 
 -- The newest cursor row of a (consumer, shard).
-CREATE FUNCTION outbox._cursor(consumer_id int, shard int) RETURNS outbox._cursor_log
+CREATE OR REPLACE FUNCTION outbox._cursor(consumer_id int, shard int) RETURNS outbox._cursor_log
     LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -199,7 +210,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION outbox._append(cur outbox._cursor_log) RETURNS void
+CREATE OR REPLACE FUNCTION outbox._append(cur outbox._cursor_log) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -218,7 +229,7 @@ $$;
 -- The in-progress list of a bound: the snapshot's xip, every xid from its xmax to x, and x.
 -- (Helpers on the claim path are plpgsql, not SQL: plpgsql keeps their plans for the session,
 -- while a SQL function called from plpgsql is planned again in every transaction.)
-CREATE FUNCTION outbox._in_progress(snap pg_snapshot, x xid8) RETURNS xid8[]
+CREATE OR REPLACE FUNCTION outbox._in_progress(snap pg_snapshot, x xid8) RETURNS xid8[]
     LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -233,7 +244,7 @@ $$;
 
 -- Transactions of lo's in-progress list that the cursor's hi sees finished, with the lowest
 -- of their floors: part (b) of the window.
-CREATE FUNCTION outbox._late(cur outbox._cursor_log, OUT txids xid8[], OUT floor_seq bigint)
+CREATE OR REPLACE FUNCTION outbox._late(cur outbox._cursor_log, OUT txids xid8[], OUT floor_seq bigint)
     LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -248,7 +259,7 @@ $$;
 -- lo.seq (it began after lo's mark), raised to the newest mark below it; x itself, seq_mark. Then find, once, the seq range that
 -- holds the events of part (b), bounded above by the seq read after the snapshot: pages of
 -- the window scan only that range for them.
-CREATE FUNCTION outbox._open_window(cur outbox._cursor_log, seq_mark bigint, x xid8)
+CREATE OR REPLACE FUNCTION outbox._open_window(cur outbox._cursor_log, seq_mark bigint, x xid8)
 RETURNS outbox._cursor_log
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
@@ -283,7 +294,7 @@ $$;
 
 -- The position after delivering through batch_end: the same window further on, or, when the
 -- window is exhausted, no window yet after its upper bound.
-CREATE FUNCTION outbox._advance(cur outbox._cursor_log, batch_end bigint, exhausted boolean)
+CREATE OR REPLACE FUNCTION outbox._advance(cur outbox._cursor_log, batch_end bigint, exhausted boolean)
 RETURNS outbox._cursor_log
     LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
 AS $$
@@ -305,14 +316,13 @@ $$;
 
 -- Events of a shard in the cursor's window, after its position and up to seq upto, in seq
 -- order, at most lim (NULL: all). Both parts walk the (shard, seq, txid) index in order and
--- stop at the limit; generic plans with sorts and bitmap scans off keep it that way.
-CREATE FUNCTION outbox._window(shard int, cur outbox._cursor_log, upto bigint, lim int)
+-- stop at the limit. A custom plan, costed with the actual bounds, would rather sort a whole
+-- backlog; the generic plan (kept for the session) walks the index.
+CREATE OR REPLACE FUNCTION outbox._window(shard int, cur outbox._cursor_log, upto bigint, lim int)
 RETURNS SETOF outbox.events
     LANGUAGE plpgsql STABLE
     SET search_path = pg_catalog, pg_temp
     SET plan_cache_mode = force_generic_plan
-    SET enable_sort = off
-    SET enable_bitmapscan = off
 AS $$
 DECLARE
     late     xid8[] := (outbox._late(cur)).txids;
@@ -339,7 +349,7 @@ END
 $$;
 
 -- Lock a shard for ack/nack/release and return its cursor, refusing a stale epoch.
-CREATE FUNCTION outbox._leased(consumer_id int, shard int, epoch bigint) RETURNS outbox._cursor_log
+CREATE OR REPLACE FUNCTION outbox._leased(consumer_id int, shard int, epoch bigint) RETURNS outbox._cursor_log
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -362,14 +372,14 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION outbox._backoff(c outbox.consumers, attempts int) RETURNS interval
+CREATE OR REPLACE FUNCTION outbox._backoff(c outbox.consumers, attempts int) RETURNS interval
     LANGUAGE sql VOLATILE
     RETURN least(c.backoff_max, c.backoff_base * power(2, least(attempts - 1, 30)))
            * (0.5 + random() / 2);
 
 -- The head of a parked key failed: count it, schedule the retry; past max_attempts move the
 -- head to dead_letters and let the key move on.
-CREATE FUNCTION outbox._head_failed(c outbox.consumers, key text, error text,
+CREATE OR REPLACE FUNCTION outbox._head_failed(c outbox.consumers, key text, error text,
                                     retry_after interval, epoch bigint) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
@@ -401,7 +411,7 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION outbox._unpark_if_empty(consumer_id int, key text) RETURNS void
+CREATE OR REPLACE FUNCTION outbox._unpark_if_empty(consumer_id int, key text) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -413,7 +423,7 @@ END
 $$;
 
 -- Copy events of parked keys into their queues (idempotent: a re-claim copies nothing twice).
-CREATE FUNCTION outbox._queue_parked(consumer_id int, events outbox.events[]) RETURNS void
+CREATE OR REPLACE FUNCTION outbox._queue_parked(consumer_id int, events outbox.events[]) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
@@ -430,7 +440,7 @@ $$;
 
 -- Take one shard if it is free and has work: returns its batch (and writes the claim row), or
 -- nothing (and writes nothing, unless it had to move past events of parked keys).
-CREATE FUNCTION outbox._claim_shard(c outbox.consumers, shard int, batch_size int,
+CREATE OR REPLACE FUNCTION outbox._claim_shard(c outbox.consumers, shard int, batch_size int,
                                     lease interval, owner text, seq_mark bigint, x xid8)
 RETURNS SETOF outbox.claimed
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
@@ -522,7 +532,7 @@ $$;
 -- API
 ---------------------------------------------------------------------------------------------
 
-CREATE FUNCTION outbox.create_consumer(
+CREATE OR REPLACE FUNCTION outbox.create_consumer(
     name          text,
     from_beginning boolean  DEFAULT false,
     max_attempts  int      DEFAULT 10,
@@ -579,7 +589,7 @@ COMMENT ON FUNCTION outbox.create_consumer(text, boolean, int, interval, interva
     'Creates a consumer that reads events committed from now on (or all, from_beginning). '
     'Example: SELECT outbox.create_consumer(''billing-webhook'', max_attempts => 5);';
 
-CREATE FUNCTION outbox.drop_consumer(name text) RETURNS boolean
+CREATE OR REPLACE FUNCTION outbox.drop_consumer(name text) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -591,7 +601,7 @@ $$;
 COMMENT ON FUNCTION outbox.drop_consumer(text) IS
     'Drops a consumer with its cursors, parked keys and dead letters; false if there was none.';
 
-CREATE FUNCTION outbox.claim(
+CREATE OR REPLACE FUNCTION outbox.claim(
     consumer   text,
     batch_size int      DEFAULT 100,
     lease      interval DEFAULT '30 seconds',
@@ -648,7 +658,7 @@ COMMENT ON FUNCTION outbox.claim(text, int, interval, text) IS
     'batch_size, plus parked keys due for retry); nothing when no shard has work. '
     'Example: SELECT * FROM outbox.claim(''billing-webhook'', 100, ''30 seconds'');';
 
-CREATE FUNCTION outbox.ack(consumer text, shard int, epoch bigint) RETURNS void
+CREATE OR REPLACE FUNCTION outbox.ack(consumer text, shard int, epoch bigint) RETURNS void
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -657,18 +667,20 @@ DECLARE
     key text;
 BEGIN
     -- parked heads that went out in this batch and were not nacked: delivered
-    FOR key IN
-        DELETE FROM outbox._parked_events q
-         USING outbox._parked p
-         WHERE q.consumer_id = c.id AND q.id = ANY (cur.heads)
-           AND p.consumer_id = q.consumer_id AND p.aggregate_id = q.aggregate_id
-           AND p.nacked_epoch IS DISTINCT FROM ack.epoch
-        RETURNING q.aggregate_id
-    LOOP
-        UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
-         WHERE p.consumer_id = c.id AND p.aggregate_id = key;
-        PERFORM outbox._unpark_if_empty(c.id, key);
-    END LOOP;
+    IF cardinality(cur.heads) > 0 THEN
+        FOR key IN
+            DELETE FROM outbox._parked_events q
+             USING outbox._parked p
+             WHERE q.consumer_id = c.id AND q.id = ANY (cur.heads)
+               AND p.consumer_id = q.consumer_id AND p.aggregate_id = q.aggregate_id
+               AND p.nacked_epoch IS DISTINCT FROM ack.epoch
+            RETURNING q.aggregate_id
+        LOOP
+            UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
+             WHERE p.consumer_id = c.id AND p.aggregate_id = key;
+            PERFORM outbox._unpark_if_empty(c.id, key);
+        END LOOP;
+    END IF;
     PERFORM outbox._append(outbox._advance(cur, cur.batch_end, cur.exhausted));
 END
 $$;
@@ -676,7 +688,7 @@ COMMENT ON FUNCTION outbox.ack(text, int, bigint) IS
     'Finishes a claimed batch: every event not nacked counts as delivered and the shard moves on. '
     'Example: SELECT outbox.ack(''billing-webhook'', 3, 17);';
 
-CREATE FUNCTION outbox.nack(consumer text, shard int, epoch bigint, event_id uuid, error text,
+CREATE OR REPLACE FUNCTION outbox.nack(consumer text, shard int, epoch bigint, event_id uuid, error text,
                             retry_after interval DEFAULT NULL) RETURNS void
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
@@ -716,7 +728,7 @@ COMMENT ON FUNCTION outbox.nack(text, int, bigint, uuid, text, interval) IS
     'retried with backoff, or after retry_after; call ack afterwards for the rest of the batch. '
     'Example: SELECT outbox.nack(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 500'');';
 
-CREATE FUNCTION outbox.release(consumer text, shard int, epoch bigint,
+CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint,
                                retry_after interval DEFAULT '0') RETURNS void
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
@@ -734,7 +746,7 @@ COMMENT ON FUNCTION outbox.release(text, int, bigint, interval) IS
     'Gives a claimed batch back undelivered (e.g. the sink is down): the shard stays where it was '
     'and is not claimed again before retry_after. Example: SELECT outbox.release(''hook'', 3, 17, ''5 s'');';
 
-CREATE FUNCTION outbox.replay(consumer text, aggregate_id text DEFAULT NULL) RETURNS int
+CREATE OR REPLACE FUNCTION outbox.replay(consumer text, aggregate_id text DEFAULT NULL) RETURNS int
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
