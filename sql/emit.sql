@@ -1,8 +1,11 @@
 -- outbox_ext: emit. Writes events in the caller's transaction: they exist if and only if it
 -- commits. Validation and ids come from outbox._event_id (Rust); a bad row raises and the
--- statement writes nothing.
+-- statement writes nothing. Rerunnable (upgrade scripts include it).
 
-CREATE FUNCTION outbox.emit(
+COMMENT ON FUNCTION outbox.uuid_v7() IS
+    'A new time-ordered UUID (version 7), as emit gives events. Example: SELECT outbox.uuid_v7();';
+
+CREATE OR REPLACE FUNCTION outbox.emit(
     aggregate_type text,
     aggregate_id   text,
     event_type     text,
@@ -31,7 +34,7 @@ COMMENT ON FUNCTION outbox.emit(text, text, text, jsonb, jsonb, text) IS
     'Writes one event in the caller''s transaction and returns its id. '
     'Example: SELECT outbox.emit(''order'', ''42'', ''order.created'', ''{"total": 10}'');';
 
-CREATE FUNCTION outbox.emit_many(
+CREATE OR REPLACE FUNCTION outbox.emit_many(
     aggregate_type text,
     event_type     text,
     aggregate_ids  text[],

@@ -11,7 +11,7 @@ extension_sql_file!("../sql/events.sql", name = "events", requires = ["roles"]);
 extension_sql_file!(
     "../sql/emit.sql",
     name = "emit",
-    requires = ["events", event_id]
+    requires = ["events", event_id, uuid_v7]
 );
 
 /// A new version-7 UUID: 48 bits of Unix milliseconds, then a counter and random bits, so ids

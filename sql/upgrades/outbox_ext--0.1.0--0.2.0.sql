@@ -15,6 +15,7 @@
 DROP FUNCTION IF EXISTS outbox._ensure_partitions(regclass, interval, int);
 DROP FUNCTION IF EXISTS outbox._partition_name(text, timestamptz);  -- a parameter was renamed
 
+-- @include emit.sql
 -- @include claim.sql
 -- @include inbox.sql
 -- @include partitions.sql
