@@ -242,6 +242,12 @@ BEGIN
 END
 $$;
 
+-- The top of a bound taken with snapshot snap after xid x: every xid below it was finished or
+-- in progress then, every xid from it on was assigned after the bound's seq was read.
+CREATE OR REPLACE FUNCTION outbox._top(snap pg_snapshot, x xid8) RETURNS xid8
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN greatest(pg_catalog.pg_snapshot_xmax(snap), (x::text::bigint + 1)::text::xid8);
+
 -- Transactions of lo's in-progress list that the cursor's hi sees finished, with the lowest
 -- of their floors: part (b) of the window.
 CREATE OR REPLACE FUNCTION outbox._late(cur outbox._cursor_log, OUT txids xid8[], OUT floor_seq bigint)
@@ -256,9 +262,9 @@ $$;
 
 -- Close the window at a new bound (seq_mark, then xid x, then a snapshot now; see the header).
 -- Each in-progress transaction gets a floor: carried over if lo had it in progress too, else
--- lo.seq (it began after lo's mark), raised to the newest mark below it; x itself, seq_mark. Then find, once, the seq range that
--- holds the events of part (b), bounded above by the seq read after the snapshot: pages of
--- the window scan only that range for them.
+-- lo.seq (it began after lo's mark), raised to the newest mark below it; x itself, seq_mark.
+-- Then find, once, the seq range that holds the events of part (b), bounded above by the seq
+-- read after the snapshot: pages of the window scan only that range for them.
 CREATE OR REPLACE FUNCTION outbox._open_window(cur outbox._cursor_log, seq_mark bigint, x xid8)
 RETURNS outbox._cursor_log
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
@@ -270,7 +276,7 @@ BEGIN
     cur.hi_seq := seq_mark;
     cur.hi_snap := pg_current_snapshot();
     seq_end := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
-    cur.hi_top := greatest(pg_snapshot_xmax(cur.hi_snap), (x::text::bigint + 1)::text::xid8);
+    cur.hi_top := outbox._top(cur.hi_snap, x);
     SELECT coalesce(array_agg(t ORDER BY t), '{}'),
            coalesce(array_agg(CASE WHEN t = x THEN seq_mark
                                    ELSE greatest(coalesce(u.f, cur.lo_seq),
@@ -549,7 +555,7 @@ DECLARE
                           THEN coalesce(pg_sequence_last_value('outbox.event_seq'), 0) ELSE 0 END;
     x      xid8 := pg_current_xact_id();
     lo     pg_snapshot := pg_current_snapshot();
-    lo_top xid8 := greatest(pg_snapshot_xmax(lo), (x::text::bigint + 1)::text::xid8);
+    lo_top xid8 := outbox._top(lo, x);
 BEGIN
     IF name IS NULL OR name = '' THEN
         RAISE EXCEPTION 'consumer name must not be empty'

@@ -33,6 +33,10 @@ CREATE OR REPLACE FUNCTION outbox._partition_name(parent text, lo_at timestamptz
 CREATE OR REPLACE FUNCTION outbox._key_column(parent regclass) RETURNS text
     LANGUAGE sql IMMUTABLE
     RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN 'message_id' ELSE 'created_at' END;
+-- The time of a row's partition key, as an SQL expression.
+CREATE OR REPLACE FUNCTION outbox._key_time(parent regclass) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN 'inbox.uuid_time(message_id)' ELSE 'created_at' END;
 CREATE OR REPLACE FUNCTION outbox._bound(parent regclass, at timestamptz) RETURNS text
     LANGUAGE sql STABLE
     RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN inbox.uuid_at(at)::text ELSE at::text END;
@@ -154,9 +158,7 @@ BEGIN
         --    (inbox ids that are not UUIDv7 carry no time: they stay, and age out by received_at)
         FOR lo_at IN EXECUTE format(
                 'SELECT DISTINCT outbox._floor_time(%s, %L) FROM %s %s',
-                CASE WHEN cfg.parent = 'inbox.messages'::regclass
-                     THEN 'inbox.uuid_time(message_id)' ELSE 'created_at' END,
-                cfg.width,
+                outbox._key_time(cfg.parent), cfg.width,
                 (SELECT d.partition FROM outbox.partitions d WHERE d.parent = cfg.parent AND d.is_default),
                 CASE WHEN cfg.parent = 'inbox.messages'::regclass
                      THEN 'WHERE substr(message_id::text, 15, 1) = ''7''' ELSE '' END)
