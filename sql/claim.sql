@@ -383,10 +383,10 @@ CREATE OR REPLACE FUNCTION outbox._backoff(c outbox.consumers, attempts int) RET
     RETURN least(c.backoff_max, c.backoff_base * power(2, least(attempts - 1, 30)))
            * (0.5 + random() / 2);
 
--- The head of a parked key failed: count it, schedule the retry; past max_attempts move the
--- head to dead_letters and let the key move on.
+-- The head of a parked key failed: count it, schedule the retry; past max_attempts (or at once
+-- when the failure is final) move the head to dead_letters and let the key move on.
 CREATE OR REPLACE FUNCTION outbox._head_failed(c outbox.consumers, key text, error text,
-                                    retry_after interval, epoch bigint) RETURNS void
+                                    retry_after interval, epoch bigint, final boolean) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -397,7 +397,7 @@ BEGIN
            next_attempt_at = now() + coalesce(retry_after, outbox._backoff(c, p.attempts + 1))
      WHERE p.consumer_id = c.id AND p.aggregate_id = key
     RETURNING p.attempts INTO n;
-    IF n < c.max_attempts THEN
+    IF n < c.max_attempts AND NOT final THEN
         RETURN;
     END IF;
     WITH head AS (
@@ -694,9 +694,11 @@ COMMENT ON FUNCTION outbox.ack(text, int, bigint) IS
     'Finishes a claimed batch: every event not nacked counts as delivered and the shard moves on. '
     'Example: SELECT outbox.ack(''billing-webhook'', 3, 17);';
 
-CREATE OR REPLACE FUNCTION outbox.nack(consumer text, shard int, epoch bigint, event_id uuid, error text,
-                            retry_after interval DEFAULT NULL) RETURNS void
-    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+-- A claimed event failed (nack), or failed for good (reject, final): park its key, count the
+-- failure of the key's head.
+CREATE OR REPLACE FUNCTION outbox._fail(consumer text, shard int, epoch bigint, event_id uuid, error text,
+                             retry_after interval, final boolean) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     c   outbox.consumers := outbox._consumer(consumer);
@@ -706,7 +708,7 @@ DECLARE
 BEGIN
     IF event_id = ANY (cur.heads) THEN
         SELECT q.aggregate_id INTO key FROM outbox._parked_events q
-         WHERE q.consumer_id = c.id AND q.id = nack.event_id;
+         WHERE q.consumer_id = c.id AND q.id = _fail.event_id;
     ELSE
         SELECT * INTO ev FROM outbox._window(shard, cur, cur.batch_end, NULL) w WHERE w.id = event_id;
         IF NOT FOUND THEN
@@ -716,7 +718,7 @@ BEGIN
         END IF;
         key := ev.aggregate_id;
         IF EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = c.id AND p.aggregate_id = key
-                                                    AND p.nacked_epoch = nack.epoch) THEN
+                                                    AND p.nacked_epoch = _fail.epoch) THEN
             RETURN;  -- the key already failed in this batch; later events of it wait anyway
         END IF;
         -- park the key: this event and the key's later events of the batch queue up, in order
@@ -726,13 +728,27 @@ BEGIN
             SELECT w FROM outbox._window(shard, cur, cur.batch_end, NULL) w
              WHERE w.aggregate_id = key AND w.seq >= ev.seq));
     END IF;
-    PERFORM outbox._head_failed(c, key, error, retry_after, epoch);
+    PERFORM outbox._head_failed(c, key, error, retry_after, epoch, final);
 END
 $$;
+
+CREATE OR REPLACE FUNCTION outbox.nack(consumer text, shard int, epoch bigint, event_id uuid, error text,
+                            retry_after interval DEFAULT NULL) RETURNS void
+    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    RETURN outbox._fail(consumer, shard, epoch, event_id, error, retry_after, false);
 COMMENT ON FUNCTION outbox.nack(text, int, bigint, uuid, text, interval) IS
     'Reports that one claimed event failed: its key is parked (the shard goes on without it) and '
     'retried with backoff, or after retry_after; call ack afterwards for the rest of the batch. '
     'Example: SELECT outbox.nack(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 500'');';
+
+CREATE OR REPLACE FUNCTION outbox.reject(consumer text, shard int, epoch bigint, event_id uuid, error text)
+RETURNS void
+    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    RETURN outbox._fail(consumer, shard, epoch, event_id, error, NULL, true);
+COMMENT ON FUNCTION outbox.reject(text, int, bigint, uuid, text) IS
+    'Reports that one claimed event can never be delivered (e.g. HTTP 400): it goes to '
+    'outbox.dead_letters at once and its key moves on; call ack afterwards for the rest of the batch. '
+    'Example: SELECT outbox.reject(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 422'');';
 
 CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint,
                                retry_after interval DEFAULT '0') RETURNS void
@@ -751,6 +767,32 @@ $$;
 COMMENT ON FUNCTION outbox.release(text, int, bigint, interval) IS
     'Gives a claimed batch back undelivered (e.g. the sink is down): the shard stays where it was '
     'and is not claimed again before retry_after. Example: SELECT outbox.release(''hook'', 3, 17, ''5 s'');';
+
+CREATE OR REPLACE FUNCTION outbox.release_owner(consumer text, owner text) RETURNS int
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    c   outbox.consumers := outbox._consumer(consumer);
+    s   int;
+    cur outbox._cursor_log;
+    n   int := 0;
+BEGIN
+    FOR s IN SELECT sh.shard FROM outbox._shards sh WHERE sh.consumer_id = c.id
+              ORDER BY sh.shard FOR UPDATE LOOP
+        cur := outbox._cursor(c.id, s);
+        CONTINUE WHEN cur.owner IS DISTINCT FROM release_owner.owner OR cur.lease_until <= now();
+        cur.owner := NULL; cur.lease_until := NULL;
+        cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
+        PERFORM outbox._append(cur);
+        n := n + 1;
+    END LOOP;
+    RETURN n;
+END
+$$;
+COMMENT ON FUNCTION outbox.release_owner(text, text) IS
+    'Gives back every batch a relay (by its claim owner name) holds for the consumer, e.g. after '
+    'the relay died; its late acks are refused. Returns how many. '
+    'Example: SELECT outbox.release_owner(''hook'', ''relay-7'');';
 
 CREATE OR REPLACE FUNCTION outbox.replay(consumer text, aggregate_id text DEFAULT NULL) RETURNS int
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp

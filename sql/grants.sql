@@ -3,6 +3,8 @@
 --
 -- Nothing is granted to PUBLIC. Producers reach the event log only through the SECURITY
 -- DEFINER emit functions (which pin search_path); they cannot read events or configuration.
+-- outbox.sinks holds secrets: only outbox_admin (and superusers, like the worker) can read it;
+-- relays see a sink's health through outbox.status, which shows no URL or secret.
 
 REVOKE ALL ON SCHEMA outbox, inbox FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
@@ -25,14 +27,19 @@ GRANT EXECUTE ON FUNCTION
     outbox.claim(text, int, interval, text),
     outbox.ack(text, int, bigint),
     outbox.nack(text, int, bigint, uuid, text, interval),
+    outbox.reject(text, int, bigint, uuid, text),
     outbox.release(text, int, bigint, interval),
+    outbox.release_owner(text, text),
     outbox.shard_count(),
     outbox.shard_of(text)
 TO outbox_relay;
 GRANT EXECUTE ON FUNCTION
     outbox.create_consumer(text, boolean, int, interval, interval),
     outbox.drop_consumer(text),
-    outbox.replay(text, text)
+    outbox.replay(text, text),
+    outbox.create_sink(text, text, text, text[], text[], text, int, int, interval, interval, text,
+                       jsonb, text, jsonb, text, int, interval, interval, boolean),
+    outbox.drop_sink(text)
 TO outbox_admin;
 GRANT ALL ON ALL TABLES IN SCHEMA outbox TO outbox_admin;
 GRANT EXECUTE ON FUNCTION outbox.maintain() TO outbox_admin;

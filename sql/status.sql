@@ -44,10 +44,23 @@ SELECT s.consumer,
                   ORDER BY d.id DESC LIMIT 1)) AS last_error,
        count(s.leased_by) AS shards_leased,
        max(s.last_activity) AS last_activity,
-       (SELECT count(*) FROM outbox.events_default) AS events_in_default_partition
+       (SELECT count(*) FROM outbox.events_default) AS events_in_default_partition,
+       k.kind AS sink_kind,
+       k.enabled AS sink_enabled,
+       -- the worker's figures (outbox._sink_stats), written every two seconds while it runs
+       CASE WHEN st.updated_at > now() - interval '10 seconds' THEN st.per_second ELSE 0 END
+           AS delivered_per_second,
+       st.delivered AS delivered_total,
+       st.failed AS failed_total,
+       st.last_delivered_at,
+       st.last_error AS last_sink_error,
+       st.last_error_at AS last_sink_error_at
   FROM outbox.shard_status s
- GROUP BY s.consumer;
+  LEFT JOIN outbox.sinks k ON k.name = s.consumer
+  LEFT JOIN outbox._sink_stats st ON st.sink = s.consumer
+ GROUP BY s.consumer, k.name, st.sink;
 COMMENT ON VIEW outbox.status IS
-    'One row per consumer: pending events and lag, parked keys and events, dead letters, the last '
-    'error, leased shards, and events waiting in the default partition (outbox.maintain() moves them). '
+    'One row per consumer (a sink is one): pending events and lag, parked keys and events, dead '
+    'letters, the last error, leased shards, events waiting in the default partition '
+    '(outbox.maintain() moves them), and for a sink the worker''s delivery rate and last error. '
     'Example: SELECT consumer, pending, lag, dead_letters, last_error FROM outbox.status;';

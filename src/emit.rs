@@ -42,6 +42,7 @@ fn event_id(
     if let Some(topic) = topic {
         check_topic(topic).or_raise();
     }
+    crate::wake::note_emit();
     uuid_v7()
 }
 
@@ -70,6 +71,7 @@ fn batch_ids(
         gucs::max_payload_bytes(),
     )
     .or_raise();
+    crate::wake::note_emit();
     aggregate_ids
         .iter()
         .map(|key| {

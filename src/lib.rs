@@ -10,7 +10,9 @@ mod gucs;
 mod inbox;
 mod partitions;
 mod roles;
+mod sinks;
 mod status;
+mod wake;
 mod worker;
 
 pgrx::pg_module_magic!();
@@ -18,5 +20,6 @@ pgrx::pg_module_magic!();
 #[pgrx::pg_guard]
 pub extern "C-unwind" fn _PG_init() {
     gucs::init();
+    wake::init();
     worker::init();
 }

@@ -5,5 +5,5 @@ use pgrx::prelude::*;
 extension_sql_file!(
     "../sql/status.sql",
     name = "status",
-    requires = ["claim", "partitions"]
+    requires = ["claim", "partitions", "sinks"]
 );

@@ -3,11 +3,18 @@
 //! A launcher, started by the postmaster when outbox_ext is in shared_preload_libraries,
 //! starts one worker per database named in `outbox_ext.databases` and starts it again
 //! whenever it stops (killed, crashed, or its database appeared late). A worker waits quietly
-//! until CREATE EXTENSION has run in its database, then runs outbox.maintain() every
-//! `outbox_ext.maintain_interval`. Both reload their settings on SIGHUP and stop on SIGTERM.
-//! Errors end the worker with an ERROR in the log; the launcher starts it again.
+//! until CREATE EXTENSION has run in its database, then delivers events to the sinks of
+//! outbox.sinks (`delivery`) and runs outbox.maintain() every `outbox_ext.maintain_interval`.
+//! It is woken at commit by emit (`wake`). Both reload their settings on SIGHUP and stop on
+//! SIGTERM. A failed statement is logged and retried; anything worse ends the worker with an
+//! ERROR in the log, and the launcher starts it again.
 
-use crate::gucs;
+mod deliver;
+mod delivery;
+mod pool;
+
+use crate::{gucs, wake};
+use delivery::Delivery;
 use pgrx::bgworkers::{
     BackgroundWorker, BackgroundWorkerBuilder, BackgroundWorkerStatus, DynamicBackgroundWorker,
     SignalWakeFlags,
@@ -19,8 +26,6 @@ use std::time::{Duration, Instant};
 
 /// How often the launcher looks at its workers (it is also woken when one stops).
 const LAUNCHER_NAP: Duration = Duration::from_secs(5);
-/// How often a worker wakes to see whether it has something to do.
-const WORKER_NAP: Duration = Duration::from_secs(1);
 
 /// Registers the launcher; a no-op unless loaded through shared_preload_libraries.
 pub fn init() {
@@ -127,25 +132,42 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
     if !take_database_lock() {
         return; // another worker serves this database (a launcher restarted); leave it be
     }
+    let mut delivery = match Delivery::new() {
+        Ok(delivery) => delivery,
+        Err(e) => error!("outbox_ext worker: cannot start its delivery threads: {e}"),
+    };
+    wake::register_worker();
     log!("outbox_ext worker started for database \"{db}\"");
     report_activity("idle");
     let mut next_maintain = Instant::now();
+    let mut installed = false;
     let mut said_waiting = false;
-    while BackgroundWorker::wait_latch(Some(WORKER_NAP)) {
-        reload_on_sighup();
-        if Instant::now() < next_maintain {
-            continue;
+    while delivery.wait(next_maintain) {
+        if reload_on_sighup() {
+            delivery.reload_soon();
         }
-        if !extension_installed() {
-            if !said_waiting {
-                log!("outbox_ext worker: waiting for CREATE EXTENSION outbox_ext in \"{db}\"");
-                said_waiting = true;
+        if !installed {
+            installed = extension_installed();
+            if !installed {
+                if !said_waiting {
+                    log!("outbox_ext worker: waiting for CREATE EXTENSION outbox_ext in \"{db}\"");
+                    said_waiting = true;
+                }
+                continue;
             }
-            continue;
         }
-        maintain();
-        next_maintain = Instant::now() + gucs::maintain_interval();
+        if let Err(e) = delivery.run() {
+            installed = extension_installed();
+            if installed {
+                warning!("outbox_ext worker: {e}");
+            }
+        }
+        if Instant::now() >= next_maintain {
+            maintain();
+            next_maintain = Instant::now() + gucs::maintain_interval();
+        }
     }
+    delivery.shut_down();
     log!("outbox_ext worker for \"{db}\" stopping");
 }
 
@@ -160,8 +182,9 @@ fn extension_installed() -> bool {
 
 /// A yes/no question to the database, in a transaction of its own; no answer is a no.
 fn ask(query: &'static str) -> bool {
-    BackgroundWorker::transaction(|| Spi::get_one::<bool>(query))
+    deliver::in_transaction(|| Spi::get_one::<bool>(query))
         .ok()
+        .and_then(Result::ok)
         .flatten()
         .unwrap_or(false)
 }
@@ -169,7 +192,7 @@ fn ask(query: &'static str) -> bool {
 /// Runs outbox.maintain() in a transaction of its own and logs what it did.
 fn maintain() {
     report_activity("outbox.maintain()");
-    let actions: Vec<String> = BackgroundWorker::transaction(|| {
+    let actions = deliver::in_transaction(|| {
         Spi::connect_mut(|client| {
             client
                 .update(
@@ -189,20 +212,30 @@ fn maintain() {
                 .unwrap_or_default()
         })
     });
+    let actions: Vec<String> = match actions {
+        Ok(actions) => actions,
+        Err(e) => {
+            warning!("outbox_ext maintain failed: {e}");
+            Vec::new()
+        }
+    };
     for action in actions.iter().filter(|a| !a.starts_with("skipped")) {
         log!("outbox_ext maintain: {action}");
     }
     report_activity("idle");
 }
 
-fn reload_on_sighup() {
-    if BackgroundWorker::sighup_received() {
+/// Rereads postgresql.conf after a SIGHUP; true if there was one.
+fn reload_on_sighup() -> bool {
+    let hup = BackgroundWorker::sighup_received();
+    if hup {
         unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
     }
+    hup
 }
 
 /// Shows what the process is doing in pg_stat_activity.query.
-fn report_activity(what: &str) {
+pub fn report_activity(what: &str) {
     let state = if what == "idle" {
         pg_sys::BackendState::STATE_IDLE
     } else {

@@ -1,0 +1,155 @@
+-- outbox_ext: sinks — where the background worker delivers events. A sink is a row here plus
+-- a consumer of the same name (its cursors, retry policy, parked keys and dead letters).
+-- Only outbox_admin can read or change this table: it holds secrets. The worker rereads it
+-- every second, so changes apply without a restart.
+--
+-- Rerunnable (upgrade scripts include it): tables only where missing, functions replaced.
+
+CREATE TABLE IF NOT EXISTS outbox.sinks (
+    name            text        PRIMARY KEY REFERENCES outbox.consumers (name)
+                                ON UPDATE CASCADE ON DELETE CASCADE,
+    kind            text        NOT NULL,   -- webhook | kafka_rest_v2 | kafka_rest_v3
+    url             text        NOT NULL,   -- webhook: the endpoint; Kafka: the proxy's base URL
+    enabled         boolean     NOT NULL DEFAULT true,
+    topics          text[],                 -- routing: only events of these topics (NULL: all)
+    aggregate_types text[],                 -- routing: only these aggregate types (NULL: all)
+    format          text,                   -- webhook: batch | single; v2: json | binary;
+                                            -- v3: json | binary | string (NULL: the first)
+    batch_size      int         NOT NULL DEFAULT 100,
+    concurrency     int         NOT NULL DEFAULT 4,   -- shards (requests) in flight at once
+    connect_timeout interval    NOT NULL DEFAULT '5 seconds',
+    request_timeout interval    NOT NULL DEFAULT '30 seconds',
+    secret          text,                   -- webhook: Standard Webhooks key, whsec_<base64>
+    http_headers    jsonb,                  -- extra request headers, e.g. Authorization
+    tls_ca          text,                   -- PEM CA certificates trusted instead of the public roots
+    topic_map       jsonb,                  -- Kafka: {"event topic": "Kafka topic"}
+    cluster_id      text,                   -- Kafka v3: the cluster in the URL path
+    updated_at      timestamptz NOT NULL DEFAULT now()
+);
+COMMENT ON TABLE outbox.sinks IS
+    'Where the background worker delivers events (admins only: holds secrets). Add one with '
+    'outbox.create_sink; change it with UPDATE (applies within a second); retry policy is in '
+    'outbox.consumers under the same name.';
+
+-- What the worker reports per sink (a few UPDATEs a second at most, HOT).
+CREATE TABLE IF NOT EXISTS outbox._sink_stats (
+    sink              text        PRIMARY KEY REFERENCES outbox.sinks ON UPDATE CASCADE ON DELETE CASCADE,
+    delivered         bigint      NOT NULL DEFAULT 0,
+    failed            bigint      NOT NULL DEFAULT 0,
+    per_second        float8      NOT NULL DEFAULT 0,
+    last_delivered_at timestamptz,
+    last_error        text,
+    last_error_at     timestamptz,
+    updated_at        timestamptz NOT NULL DEFAULT now()
+);
+
+-- Every check a sink row must pass, with the fix in the hint; also stamps updated_at (the
+-- worker rebuilds a sink's client when it changes).
+CREATE OR REPLACE FUNCTION outbox._check_sink() RETURNS trigger
+    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    formats text[] := CASE NEW.kind WHEN 'webhook' THEN ARRAY['batch', 'single']
+                                    WHEN 'kafka_rest_v2' THEN ARRAY['json', 'binary']
+                                    WHEN 'kafka_rest_v3' THEN ARRAY['json', 'binary', 'string'] END;
+BEGIN
+    IF formats IS NULL THEN
+        RAISE EXCEPTION 'unknown sink kind "%"', NEW.kind USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'kind is webhook, kafka_rest_v2 or kafka_rest_v3.';
+    END IF;
+    NEW.format := coalesce(NEW.format, formats[1]);
+    IF NOT NEW.format = ANY (formats) THEN
+        RAISE EXCEPTION 'format "%" does not fit a % sink', NEW.format, NEW.kind
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = format('Use one of %s, or NULL for %s.', array_to_string(formats, ', '), formats[1]);
+    END IF;
+    IF NEW.url !~ '^https?://[^/?#\s]+[^\s]*$' THEN
+        RAISE EXCEPTION 'invalid sink URL "%"', NEW.url USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give an absolute http:// or https:// URL, e.g. https://hooks.example.com/outbox.';
+    END IF;
+    IF NEW.batch_size NOT BETWEEN 1 AND 10000 OR NEW.concurrency NOT BETWEEN 1 AND 64 THEN
+        RAISE EXCEPTION 'batch_size % or concurrency % is out of range', NEW.batch_size, NEW.concurrency
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'batch_size is 1 to 10000; concurrency is 1 to 64.';
+    END IF;
+    IF NOT (NEW.connect_timeout > '0' AND NEW.request_timeout > '0'
+            AND NEW.connect_timeout <= '1 hour' AND NEW.request_timeout <= '1 hour') THEN
+        RAISE EXCEPTION 'timeouts must be positive and at most an hour'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. connect_timeout => ''5 s'', request_timeout => ''30 s''.';
+    END IF;
+    IF NEW.secret IS NOT NULL AND NEW.secret !~ '^(whsec_)?[A-Za-z0-9+/]{16,}={0,2}$' THEN
+        RAISE EXCEPTION 'the secret is not a Standard Webhooks key'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Give whsec_ and the base64 of 24 to 64 random bytes, e.g. '
+                         '''whsec_'' || encode(sha256(gen_random_uuid()::text::bytea), ''base64'').';
+    END IF;
+    IF NOT outbox._is_string_map(NEW.http_headers) OR NOT outbox._is_string_map(NEW.topic_map) THEN
+        RAISE EXCEPTION 'http_headers and topic_map must be JSON objects of strings'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. ''{"Authorization": "Bearer t0ken"}''.';
+    END IF;
+    IF NEW.tls_ca IS NOT NULL AND position('-----BEGIN CERTIFICATE-----' IN NEW.tls_ca) = 0 THEN
+        RAISE EXCEPTION 'tls_ca holds no PEM certificate' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Paste the CA certificate(s) in PEM form, or NULL to trust the public roots.';
+    END IF;
+    IF NEW.kind = 'kafka_rest_v3' AND coalesce(NEW.cluster_id, '') = '' THEN
+        RAISE EXCEPTION 'a kafka_rest_v3 sink needs its cluster_id' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Find it with GET /v3/clusters on the proxy.';
+    END IF;
+    NEW.updated_at := now();
+    RETURN NEW;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._is_string_map(j jsonb) RETURNS boolean
+    LANGUAGE sql IMMUTABLE
+    RETURN j IS NULL OR (jsonb_typeof(j) = 'object' AND
+                         NOT jsonb_path_exists(j, '$.* ? (@.type() != "string")'));
+
+CREATE OR REPLACE TRIGGER check_sink BEFORE INSERT OR UPDATE ON outbox.sinks
+    FOR EACH ROW EXECUTE FUNCTION outbox._check_sink();
+
+CREATE OR REPLACE FUNCTION outbox.create_sink(
+    name            text,
+    kind            text,
+    url             text,
+    topics          text[]   DEFAULT NULL,
+    aggregate_types text[]   DEFAULT NULL,
+    format          text     DEFAULT NULL,
+    batch_size      int      DEFAULT 100,
+    concurrency     int      DEFAULT 4,
+    connect_timeout interval DEFAULT '5 seconds',
+    request_timeout interval DEFAULT '30 seconds',
+    secret          text     DEFAULT NULL,
+    http_headers    jsonb    DEFAULT NULL,
+    tls_ca          text     DEFAULT NULL,
+    topic_map       jsonb    DEFAULT NULL,
+    cluster_id      text     DEFAULT NULL,
+    max_attempts    int      DEFAULT 10,
+    backoff_base    interval DEFAULT '1 second',
+    backoff_max     interval DEFAULT '10 minutes',
+    from_beginning  boolean  DEFAULT false
+) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM outbox.create_consumer(name, from_beginning, max_attempts, backoff_base, backoff_max);
+    INSERT INTO outbox.sinks (name, kind, url, topics, aggregate_types, format, batch_size,
+                              concurrency, connect_timeout, request_timeout, secret, http_headers,
+                              tls_ca, topic_map, cluster_id)
+    VALUES (name, kind, url, topics, aggregate_types, format, batch_size, concurrency,
+            connect_timeout, request_timeout, secret, http_headers, tls_ca, topic_map, cluster_id);
+END
+$$;
+COMMENT ON FUNCTION outbox.create_sink(text, text, text, text[], text[], text, int, int, interval,
+                                       interval, text, jsonb, text, jsonb, text, int, interval,
+                                       interval, boolean) IS
+    'Adds a sink and its consumer; the worker delivers to it within a second, events committed '
+    'from now on (or all, from_beginning). Example: SELECT outbox.create_sink(''billing'', '
+    '''webhook'', ''https://billing.example.com/hooks'', secret => ''whsec_...'');';
+
+CREATE OR REPLACE FUNCTION outbox.drop_sink(name text) RETURNS boolean
+    LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp
+    RETURN outbox.drop_consumer(name);
+COMMENT ON FUNCTION outbox.drop_sink(text) IS
+    'Drops a sink with its consumer, parked keys and dead letters; false if there was none. '
+    'Example: SELECT outbox.drop_sink(''billing'');';

@@ -1,0 +1,199 @@
+//! HTTP plumbing shared by the sinks: the agent (timeouts, TLS roots), one POST, and how a
+//! reply is judged.
+
+use super::{Config, Outcome, Verdict};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use ureq::tls::{PemItem, RootCerts, TlsConfig};
+
+/// Replies are read up to this size; a longer one is cut off (only Kafka reads them).
+const MAX_REPLY_BYTES: u64 = 8 * 1024 * 1024;
+
+pub fn agent(config: &Config) -> Result<ureq::Agent, String> {
+    let roots = match &config.tls_ca {
+        Some(pem) => RootCerts::new_with_certs(&certificates(pem)?),
+        None => RootCerts::WebPki,
+    };
+    let tls = TlsConfig::builder().root_certs(roots).build();
+    let config = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .max_redirects(0) // a redirected POST is a misconfigured URL: report it, do not follow
+        .max_redirects_will_error(false)
+        .proxy(None) // deterministic: no proxy from the postmaster's environment
+        .timeout_connect(Some(config.connect_timeout))
+        .timeout_global(Some(config.request_timeout))
+        .max_idle_connections_per_host(config.concurrency.max(1) * 2)
+        .user_agent(concat!("outbox_ext/", env!("CARGO_PKG_VERSION")))
+        .tls_config(tls)
+        .build();
+    Ok(config.into())
+}
+
+fn certificates(pem: &str) -> Result<Vec<ureq::tls::Certificate<'static>>, String> {
+    let mut certs = Vec::new();
+    for item in ureq::tls::parse_pem(pem.as_bytes()) {
+        match item {
+            Ok(PemItem::Certificate(cert)) => certs.push(cert),
+            Ok(_) => {}
+            Err(e) => return Err(format!("tls_ca: {e}")),
+        }
+    }
+    if certs.is_empty() {
+        return Err("tls_ca holds no PEM certificate".into());
+    }
+    Ok(certs)
+}
+
+/// A reply that came back.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub retry_after: Option<Duration>,
+    pub body: String,
+}
+
+/// POSTs `body`; Err is a transport failure (connect, TLS, timeout, reset).
+pub fn post(
+    agent: &ureq::Agent,
+    url: &str,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> Result<Reply, String> {
+    let mut request = agent.post(url);
+    for (name, value) in headers {
+        request = request.header(name.as_str(), value.as_str());
+    }
+    let mut response = request.send(body).map_err(|e| e.to_string())?;
+    let status = response.status().as_u16();
+    let retry_after = response
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| parse_retry_after(v, SystemTime::now()));
+    let body = response
+        .body_mut()
+        .with_config()
+        .limit(MAX_REPLY_BYTES)
+        .lossy_utf8(true)
+        .read_to_string()
+        .map_err(|e| format!("HTTP {status}, reading the reply: {e}"))?;
+    Ok(Reply {
+        status,
+        retry_after,
+        body,
+    })
+}
+
+/// How a reply that is not a success counts:
+/// - the sink is unavailable or throttling (429, 502, 503, 504), or redirects (a wrong URL):
+///   nothing is blamed on the events; the batch waits;
+/// - 408 and other 5xx may be caused by the events: retried per key, with backoff;
+/// - any other 4xx refuses the events for good: dead-lettered.
+///
+/// `n` is the number of events the request carried.
+pub fn judge_failure(reply: &Reply, what: &str, n: usize) -> Outcome {
+    let error = describe(reply, what);
+    let retry_after = reply.retry_after;
+    match reply.status {
+        429 | 502..=504 | 300..=399 => Outcome::SinkDown { error, retry_after },
+        408 | 500..=599 => Outcome::all(n, Verdict::Retry { error, retry_after }),
+        _ => Outcome::all(n, Verdict::Reject { error }),
+    }
+}
+
+/// "HTTP 500 from webhook: <first 200 characters of the body>".
+pub fn describe(reply: &Reply, what: &str) -> String {
+    let body: String = reply.body.chars().take(200).collect();
+    let body = body.trim();
+    if body.is_empty() {
+        format!("HTTP {} from {what}", reply.status)
+    } else {
+        format!("HTTP {} from {what}: {body}", reply.status)
+    }
+}
+
+/// Retry-After is seconds or an HTTP date (RFC 9110); nonsense is ignored.
+pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds.min(86_400)));
+    }
+    let at = parse_http_date(value)?;
+    let now = now.duration_since(UNIX_EPOCH).ok()?.as_secs();
+    Some(Duration::from_secs(at.saturating_sub(now).min(86_400)))
+}
+
+/// IMF-fixdate, e.g. "Sun, 06 Nov 1994 08:49:37 GMT", as seconds since the epoch.
+fn parse_http_date(value: &str) -> Option<u64> {
+    let parts: Vec<&str> = value.split_whitespace().collect();
+    let [_, day, month, year, time, "GMT"] = parts.as_slice() else {
+        return None;
+    };
+    const MONTHS: [&str; 12] = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    let month = MONTHS.iter().position(|m| m == month)? as u64 + 1;
+    let (day, year): (u64, i64) = (day.parse().ok()?, year.parse().ok()?);
+    let hms: Vec<u64> = time.split(':').filter_map(|p| p.parse().ok()).collect();
+    let [h, m, s] = hms.as_slice() else {
+        return None;
+    };
+    let days = days_from_civil(year, month, day)?;
+    Some(days * 86_400 + h * 3600 + m * 60 + s)
+}
+
+/// Days since 1970-01-01 of a Gregorian date (Howard Hinnant's algorithm).
+fn days_from_civil(year: i64, month: u64, day: u64) -> Option<u64> {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month as i64 + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day as i64 - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    u64::try_from(era * 146_097 + doe - 719_468).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_seconds_and_dates() {
+        let now = UNIX_EPOCH + Duration::from_secs(784_111_770); // Sun, 06 Nov 1994 08:49:30 GMT
+        assert_eq!(parse_retry_after("3", now), Some(Duration::from_secs(3)));
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", now),
+            Some(Duration::from_secs(7))
+        );
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:00:00 GMT", now),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(parse_retry_after("-1", now), None);
+    }
+
+    #[test]
+    fn failures_are_judged_by_status() {
+        let reply = |status| Reply {
+            status,
+            retry_after: None,
+            body: String::new(),
+        };
+        for status in [429, 503, 502, 504, 301] {
+            assert!(matches!(
+                judge_failure(&reply(status), "x", 1),
+                Outcome::SinkDown { .. }
+            ));
+        }
+        for status in [408, 500, 501] {
+            assert!(
+                matches!(judge_failure(&reply(status), "x", 1), Outcome::Events(v) if matches!(v[0], Verdict::Retry { .. }))
+            );
+        }
+        for status in [400, 401, 404, 413, 422] {
+            assert!(
+                matches!(judge_failure(&reply(status), "x", 1), Outcome::Events(v) if matches!(v[0], Verdict::Reject { .. }))
+            );
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Sinks: where the background worker delivers events. A sink is a row of outbox.sinks
+//! (sql/sinks.sql); here it becomes a `Client` that turns a batch of events into HTTP requests
+//! and the replies into one verdict per event.
+//!
+//! The delivery code in this module runs on the worker's delivery threads: no call into
+//! PostgreSQL, no pgrx, no panics on input (a panic is caught by the pool and counted as a
+//! failed batch).
+
+pgrx::extension_sql_file!("../../sql/sinks.sql", name = "sinks", requires = ["claim"]);
+
+pub mod http;
+pub mod kafka;
+pub mod webhook;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// One claimed event, as the worker read it (JSON fields kept as the text PostgreSQL gave).
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub id: String,
+    pub topic: Option<String>,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    /// The jsonb payload as JSON text.
+    pub payload: String,
+    /// The jsonb headers (an object of strings) as JSON text.
+    pub headers: Option<String>,
+    /// ISO 8601, with offset.
+    pub created_at: String,
+    /// 1 for a first delivery; more for the retried head of a parked key.
+    pub attempt: i32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Webhook,
+    KafkaRestV2,
+    KafkaRestV3,
+}
+
+impl Kind {
+    pub fn parse(kind: &str) -> Option<Kind> {
+        match kind {
+            "webhook" => Some(Kind::Webhook),
+            "kafka_rest_v2" => Some(Kind::KafkaRestV2),
+            "kafka_rest_v3" => Some(Kind::KafkaRestV3),
+            _ => None,
+        }
+    }
+}
+
+/// A sink's configuration, read from outbox.sinks (validated there by a trigger).
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub name: String,
+    pub kind: Kind,
+    pub url: String,
+    /// webhook: "batch" or "single"; Kafka: "json", "binary" (or "string" in v3).
+    pub format: String,
+    pub topics: Option<Vec<String>>,
+    pub aggregate_types: Option<Vec<String>>,
+    pub batch_size: i32,
+    pub concurrency: usize,
+    pub connect_timeout: Duration,
+    pub request_timeout: Duration,
+    /// Standard Webhooks signing secret ("whsec_" + base64).
+    pub secret: Option<String>,
+    pub http_headers: Vec<(String, String)>,
+    /// PEM certificates trusted instead of the public roots.
+    pub tls_ca: Option<String>,
+    pub topic_map: HashMap<String, String>,
+    pub cluster_id: Option<String>,
+}
+
+impl Config {
+    /// Events outside the sink's routing are skipped (acknowledged without a request).
+    pub fn routes(&self, event: &Event) -> bool {
+        let topic_ok = self.topics.as_ref().is_none_or(|topics| {
+            event
+                .topic
+                .as_ref()
+                .is_some_and(|t| topics.iter().any(|x| x == t))
+        });
+        let type_ok = self
+            .aggregate_types
+            .as_ref()
+            .is_none_or(|types| types.contains(&event.aggregate_type));
+        topic_ok && type_ok
+    }
+}
+
+/// What became of one event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    Delivered,
+    /// Failed, may succeed later: the key is parked and retried with backoff.
+    Retry {
+        error: String,
+        retry_after: Option<Duration>,
+    },
+    /// Refused for good (a 4xx, a record the broker will never take): dead-lettered.
+    Reject {
+        error: String,
+    },
+}
+
+/// What became of a batch.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// The sink could not be reached or asked us to back off: nothing is blamed on the events;
+    /// the batch is given back and the sink paused.
+    SinkDown {
+        error: String,
+        retry_after: Option<Duration>,
+    },
+    /// One verdict per event, in batch order.
+    Events(Vec<Verdict>),
+}
+
+impl Outcome {
+    /// The same verdict for all `n` events of a request.
+    pub fn all(n: usize, verdict: Verdict) -> Outcome {
+        Outcome::Events(vec![verdict; n])
+    }
+}
+
+/// A sink ready to deliver: its configuration and its HTTP agent (connection pool).
+pub struct Client {
+    pub config: Config,
+    agent: ureq::Agent,
+    signer: Option<webhook::Signer>,
+}
+
+impl Client {
+    /// Fails on a configuration the trigger on outbox.sinks cannot check (certificates).
+    pub fn new(config: Config) -> Result<Client, String> {
+        let agent = http::agent(&config)?;
+        let signer = match &config.secret {
+            Some(secret) => Some(webhook::Signer::new(secret)?),
+            None => None,
+        };
+        Ok(Client {
+            config,
+            agent,
+            signer,
+        })
+    }
+
+    /// Delivers a batch: the events of the shard in one go, then the retried heads of parked
+    /// keys one request each, so that a poisoned event fails alone.
+    pub fn deliver(&self, events: &[Event]) -> Outcome {
+        let (first, retried): (Vec<usize>, Vec<usize>) =
+            (0..events.len()).partition(|&i| events[i].attempt <= 1);
+        let mut verdicts = vec![Verdict::Delivered; events.len()];
+        let groups = std::iter::once(first).chain(retried.into_iter().map(|i| vec![i]));
+        for group in groups {
+            let routed: Vec<usize> = group
+                .into_iter()
+                .filter(|&i| self.config.routes(&events[i]))
+                .collect();
+            if routed.is_empty() {
+                continue;
+            }
+            let part: Vec<&Event> = routed.iter().map(|&i| &events[i]).collect();
+            match self.send(&part) {
+                Outcome::SinkDown { error, retry_after } => {
+                    return Outcome::SinkDown { error, retry_after }
+                }
+                Outcome::Events(vs) => {
+                    for (i, v) in routed.into_iter().zip(vs) {
+                        verdicts[i] = v;
+                    }
+                }
+            }
+        }
+        Outcome::Events(verdicts)
+    }
+
+    fn send(&self, events: &[&Event]) -> Outcome {
+        match self.config.kind {
+            Kind::Webhook => webhook::send(&self.agent, &self.config, self.signer.as_ref(), events),
+            Kind::KafkaRestV2 | Kind::KafkaRestV3 => kafka::send(&self.agent, &self.config, events),
+        }
+    }
+}
+
+/// Appends `s` as a JSON string.
+pub fn push_json_str(out: &mut String, s: &str) {
+    match serde_json::to_string(s) {
+        Ok(quoted) => out.push_str(&quoted),
+        Err(_) => out.push_str("null"), // cannot happen for a &str
+    }
+}

@@ -1,0 +1,189 @@
+//! HTTP webhook sink. A request carries one event (format "single") or the batch as a JSON
+//! array ("batch"). Every request names its first event in `webhook-id` and `Idempotency-Key`
+//! (stable across retries of that event) and, with a secret, is signed the Standard Webhooks
+//! way: `webhook-signature: v1,base64(HMAC-SHA256(key, "{id}.{timestamp}.{body}"))`.
+
+use super::http::{self, judge_failure};
+use super::{push_json_str, Config, Event, Outcome, Verdict};
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Signs requests with a Standard Webhooks secret ("whsec_" + base64 of the key).
+pub struct Signer(ring::hmac::Key);
+
+impl Signer {
+    pub fn new(secret: &str) -> Result<Signer, String> {
+        let encoded = secret.strip_prefix("whsec_").unwrap_or(secret);
+        let key = BASE64
+            .decode(encoded)
+            .map_err(|_| "secret is not base64 (expected whsec_<base64>)".to_string())?;
+        Ok(Signer(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key)))
+    }
+
+    pub fn sign(&self, id: &str, timestamp: u64, body: &[u8]) -> String {
+        let mut ctx = ring::hmac::Context::with_key(&self.0);
+        ctx.update(format!("{id}.{timestamp}.").as_bytes());
+        ctx.update(body);
+        format!("v1,{}", BASE64.encode(ctx.sign().as_ref()))
+    }
+}
+
+pub fn send(
+    agent: &ureq::Agent,
+    config: &Config,
+    signer: Option<&Signer>,
+    events: &[&Event],
+) -> Outcome {
+    if config.format == "single" {
+        let mut verdicts = Vec::with_capacity(events.len());
+        for event in events {
+            match post(agent, config, signer, &[event]) {
+                Outcome::Events(v) => verdicts.extend(v),
+                down => return down,
+            }
+        }
+        Outcome::Events(verdicts)
+    } else {
+        post(agent, config, signer, events)
+    }
+}
+
+fn post(
+    agent: &ureq::Agent,
+    config: &Config,
+    signer: Option<&Signer>,
+    events: &[&Event],
+) -> Outcome {
+    let Some(first) = events.first() else {
+        return Outcome::Events(Vec::new());
+    };
+    let body = if config.format == "single" {
+        event_json(first)
+    } else {
+        batch_json(events)
+    };
+    let headers = request_headers(config, signer, &first.id, body.as_bytes(), events.len());
+    match http::post(agent, &config.url, &headers, body.as_bytes()) {
+        Err(error) => Outcome::SinkDown {
+            error: format!("webhook: {error}"),
+            retry_after: None,
+        },
+        Ok(reply) if (200..300).contains(&reply.status) => {
+            Outcome::all(events.len(), Verdict::Delivered)
+        }
+        Ok(reply) => judge_failure(&reply, "webhook", events.len()),
+    }
+}
+
+fn request_headers(
+    config: &Config,
+    signer: Option<&Signer>,
+    id: &str,
+    body: &[u8],
+    count: usize,
+) -> Vec<(String, String)> {
+    let timestamp = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut headers = vec![
+        ("content-type".to_string(), "application/json".to_string()),
+        ("webhook-id".to_string(), id.to_string()),
+        ("idempotency-key".to_string(), id.to_string()),
+        ("webhook-timestamp".to_string(), timestamp.to_string()),
+        ("outbox-event-count".to_string(), count.to_string()),
+    ];
+    if let Some(signer) = signer {
+        headers.push((
+            "webhook-signature".to_string(),
+            signer.sign(id, timestamp, body),
+        ));
+    }
+    headers.extend(config.http_headers.iter().cloned());
+    headers
+}
+
+fn batch_json(events: &[&Event]) -> String {
+    let mut out = String::from("[");
+    for (i, event) in events.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        push_event(&mut out, event);
+    }
+    out.push(']');
+    out
+}
+
+fn event_json(event: &Event) -> String {
+    let mut out = String::new();
+    push_event(&mut out, event);
+    out
+}
+
+/// `{"id":..,"topic":..,"aggregate_type":..,"aggregate_id":..,"event_type":..,"payload":..,
+/// "headers":..,"created_at":..,"attempt":..}`; payload and headers are already JSON.
+fn push_event(out: &mut String, e: &Event) {
+    out.push_str("{\"id\":");
+    push_json_str(out, &e.id);
+    out.push_str(",\"topic\":");
+    match &e.topic {
+        Some(topic) => push_json_str(out, topic),
+        None => out.push_str("null"),
+    }
+    out.push_str(",\"aggregate_type\":");
+    push_json_str(out, &e.aggregate_type);
+    out.push_str(",\"aggregate_id\":");
+    push_json_str(out, &e.aggregate_id);
+    out.push_str(",\"event_type\":");
+    push_json_str(out, &e.event_type);
+    out.push_str(",\"payload\":");
+    out.push_str(&e.payload);
+    out.push_str(",\"headers\":");
+    out.push_str(e.headers.as_deref().unwrap_or("null"));
+    out.push_str(",\"created_at\":");
+    push_json_str(out, &e.created_at);
+    out.push_str(&format!(",\"attempt\":{}}}", e.attempt));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(id: &str) -> Event {
+        Event {
+            id: id.into(),
+            topic: None,
+            aggregate_type: "order".into(),
+            aggregate_id: "4\"2".into(),
+            event_type: "created".into(),
+            payload: "{\"a\": [1, 2]}".into(),
+            headers: Some("{\"h\": \"v\"}".into()),
+            created_at: "2026-11-29T12:00:00+00:00".into(),
+            attempt: 1,
+        }
+    }
+
+    #[test]
+    fn batch_is_a_json_array_of_events() {
+        let (a, b) = (event("a"), event("b"));
+        let json: serde_json::Value = serde_json::from_str(&batch_json(&[&a, &b])).unwrap();
+        assert_eq!(json[1]["id"], "b");
+        assert_eq!(json[0]["aggregate_id"], "4\"2");
+        assert_eq!(json[0]["payload"]["a"][1], 2);
+        assert_eq!(json[0]["headers"]["h"], "v");
+        assert_eq!(json[0]["topic"], serde_json::Value::Null);
+    }
+
+    #[test]
+    fn signature_matches_the_standard_webhooks_example() {
+        // the example of the Standard Webhooks specification
+        let signer = Signer::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        let body = br#"{"test": 2432232314}"#;
+        assert_eq!(
+            signer.sign("msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body),
+            "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+        );
+        assert!(Signer::new("whsec_not base64!").is_err());
+    }
+}

@@ -1,0 +1,314 @@
+//! The worker's side of delivery that talks to PostgreSQL, all on its main thread and each in a
+//! short transaction of its own: read the sinks, claim a batch, settle a finished batch (ack,
+//! nack, reject or release), record delivery figures. No network I/O happens in here.
+
+use super::pool::Batch;
+use crate::sinks::{Config, Event, Kind, Outcome, Verdict};
+use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+use serde_json::Value;
+use std::collections::{HashMap, HashSet};
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+/// Who the worker's leases belong to: on start it takes back every lease of this name (only
+/// one worker serves a database, so any such lease is a dead worker's).
+pub const OWNER: &str = "outbox_ext worker";
+
+/// Runs `f` in a transaction of its own; an ERROR rolls it back and comes back as Err, so a
+/// failed statement (a dropped sink, a lost lease) never takes the worker down.
+pub fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
+    unsafe {
+        pg_sys::SetCurrentStatementStartTimestamp(); // now() is the transaction's start
+        pg_sys::StartTransactionCommand();
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+    }
+    let f = AssertUnwindSafe(f);
+    let result = PgTryBuilder::new(move || Ok(f()))
+        .catch_others(|caught| {
+            Err(match caught {
+                pg_sys::panic::CaughtError::PostgresError(e)
+                | pg_sys::panic::CaughtError::ErrorReport(e)
+                | pg_sys::panic::CaughtError::RustPanic { ereport: e, .. } => {
+                    e.message().to_string()
+                }
+            })
+        })
+        .execute();
+    unsafe {
+        if result.is_ok() {
+            pg_sys::PopActiveSnapshot();
+            pg_sys::CommitTransactionCommand();
+        } else {
+            pg_sys::AbortCurrentTransaction();
+        }
+    }
+    result
+}
+
+/// A sink as read, and a stamp that changes whenever its row does.
+pub struct SinkRow {
+    pub config: Config,
+    pub stamp: String,
+}
+
+pub fn load_sinks() -> Result<Vec<SinkRow>, String> {
+    in_transaction(|| {
+        Spi::connect(|client| {
+            let rows = client.select(
+                "SELECT s.name, s.kind, s.url, s.format, array_to_json(s.topics)::text,
+                        array_to_json(s.aggregate_types)::text, s.batch_size, s.concurrency,
+                        (extract(epoch FROM s.connect_timeout) * 1000)::bigint,
+                        (extract(epoch FROM s.request_timeout) * 1000)::bigint,
+                        s.secret, s.http_headers::text, s.tls_ca, s.topic_map::text, s.cluster_id,
+                        s.updated_at::text
+                   FROM outbox.sinks s WHERE s.enabled ORDER BY s.name",
+                None,
+                &[],
+            )?;
+            let mut sinks = Vec::new();
+            for row in rows {
+                let text = |i| row.get::<String>(i).ok().flatten();
+                let int = |i| row.get::<i64>(i).ok().flatten().unwrap_or(0);
+                let Some(kind) = text(2).as_deref().and_then(Kind::parse) else {
+                    continue; // the table's trigger allows no other kind
+                };
+                let config = Config {
+                    name: text(1).unwrap_or_default(),
+                    kind,
+                    url: text(3).unwrap_or_default(),
+                    format: text(4).unwrap_or_default(),
+                    topics: text(5).map(|j| strings(&j)),
+                    aggregate_types: text(6).map(|j| strings(&j)),
+                    batch_size: row.get::<i32>(7).ok().flatten().unwrap_or(100),
+                    concurrency: row.get::<i32>(8).ok().flatten().unwrap_or(1).max(1) as usize,
+                    connect_timeout: Duration::from_millis(int(9).max(1) as u64),
+                    request_timeout: Duration::from_millis(int(10).max(1) as u64),
+                    secret: text(11),
+                    http_headers: text(12).map(|j| pairs(&j)).unwrap_or_default(),
+                    tls_ca: text(13),
+                    topic_map: text(14)
+                        .map(|j| pairs(&j).into_iter().collect())
+                        .unwrap_or_default(),
+                    cluster_id: text(15),
+                };
+                sinks.push(SinkRow {
+                    config,
+                    stamp: text(16).unwrap_or_default(),
+                });
+            }
+            Ok::<_, pgrx::spi::Error>(sinks)
+        })
+    })?
+    .map_err(|e| e.to_string())
+}
+
+fn strings(json: &str) -> Vec<String> {
+    serde_json::from_str::<Vec<Value>>(json)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .collect()
+}
+
+fn pairs(json: &str) -> Vec<(String, String)> {
+    serde_json::from_str::<serde_json::Map<String, Value>>(json)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|(k, v)| v.as_str().map(|v| (k, v.to_string())))
+        .collect()
+}
+
+/// Takes back the leases a dead worker left on this sink's shards.
+pub fn take_back_leases(sink: &str) -> Result<i32, String> {
+    in_transaction(|| {
+        Spi::get_one_with_args::<i32>(
+            "SELECT outbox.release_owner($1, $2)",
+            &[sink.into(), OWNER.into()],
+        )
+    })?
+    .map(|n| n.unwrap_or(0))
+    .map_err(|e| e.to_string())
+}
+
+/// Claims the next batch of one shard of the sink, or None when no shard has work.
+pub fn claim(config: &Config, lease: Duration) -> Result<Option<Batch>, String> {
+    in_transaction(|| {
+        // select, not update: pgrx's update takes an xid first, and a claim must come before
+        // its transaction's first write (see sql/claim.sql)
+        Spi::connect(|client| {
+            let rows = client.select(
+                "SELECT c.shard, c.epoch, c.id::text, c.topic, c.aggregate_type, c.aggregate_id,
+                        c.event_type, c.payload::text, c.headers::text,
+                        to_json(c.created_at) #>> '{}', c.attempt
+                   FROM outbox.claim($1, $2, make_interval(secs => $3), $4) AS c",
+                None,
+                &[
+                    config.name.as_str().into(),
+                    config.batch_size.into(),
+                    lease.as_secs_f64().into(),
+                    OWNER.into(),
+                ],
+            )?;
+            let mut batch: Option<Batch> = None;
+            for row in rows {
+                let text = |i| row.get::<String>(i).ok().flatten();
+                let batch = batch.get_or_insert_with(|| Batch {
+                    sink: config.name.clone(),
+                    shard: row.get::<i32>(1).ok().flatten().unwrap_or(-1),
+                    epoch: row.get::<i64>(2).ok().flatten().unwrap_or(-1),
+                    events: Vec::new(),
+                });
+                batch.events.push(Event {
+                    id: text(3).unwrap_or_default(),
+                    topic: text(4),
+                    aggregate_type: text(5).unwrap_or_default(),
+                    aggregate_id: text(6).unwrap_or_default(),
+                    event_type: text(7).unwrap_or_default(),
+                    payload: text(8).unwrap_or_else(|| "null".into()),
+                    headers: text(9),
+                    created_at: text(10).unwrap_or_default(),
+                    attempt: row.get::<i32>(11).ok().flatten().unwrap_or(1),
+                });
+            }
+            Ok::<_, pgrx::spi::Error>(batch)
+        })
+    })?
+    .map_err(|e| e.to_string())
+}
+
+/// What settling a batch did, for the sink's figures.
+#[derive(Default)]
+pub struct Settled {
+    pub delivered: usize,
+    pub failed: usize,
+    pub error: Option<String>,
+}
+
+/// Applies a finished batch's outcome in one transaction. A sink that was down gets the batch
+/// back (release) after `pause`; otherwise each key's first failed event is nacked (retried
+/// later, in order) or rejected (dead-lettered), and the rest of the batch is acked.
+pub fn settle(batch: &Batch, outcome: &Outcome, pause: Duration) -> Result<Settled, String> {
+    in_transaction(|| {
+        Spi::connect_mut(|client| match outcome {
+            Outcome::SinkDown { error, .. } => {
+                client.update(
+                    "SELECT outbox.release($1, $2, $3, make_interval(secs => $4))",
+                    None,
+                    &[
+                        batch.sink.as_str().into(),
+                        batch.shard.into(),
+                        batch.epoch.into(),
+                        pause.as_secs_f64().into(),
+                    ],
+                )?;
+                Ok(Settled {
+                    delivered: 0,
+                    failed: batch.events.len(),
+                    error: Some(error.clone()),
+                })
+            }
+            Outcome::Events(verdicts) => settle_events(client, batch, verdicts),
+        })
+    })?
+    .map_err(|e: pgrx::spi::Error| e.to_string())
+}
+
+fn settle_events(
+    client: &mut SpiClient,
+    batch: &Batch,
+    verdicts: &[Verdict],
+) -> Result<Settled, pgrx::spi::Error> {
+    let mut settled = Settled::default();
+    let mut failed_keys: HashSet<&str> = HashSet::new();
+    for (event, verdict) in batch.events.iter().zip(verdicts) {
+        if failed_keys.contains(event.aggregate_id.as_str()) {
+            continue; // queued behind the key's failed event by the nack
+        }
+        let (function, error, retry_after) = match verdict {
+            Verdict::Delivered => {
+                settled.delivered += 1;
+                continue;
+            }
+            Verdict::Retry { error, retry_after } => ("nack", error, *retry_after),
+            Verdict::Reject { error } => ("reject", error, None),
+        };
+        failed_keys.insert(&event.aggregate_id);
+        settled.failed += 1;
+        settled.error = Some(error.clone());
+        let secs = retry_after.map_or(-1.0, |d| d.as_secs_f64());
+        let query = format!(
+            "SELECT outbox.{function}($1, $2, $3, $4::uuid, $5{})",
+            if function == "nack" {
+                ", CASE WHEN $6 >= 0 THEN make_interval(secs => $6) END"
+            } else {
+                ""
+            }
+        );
+        let mut args: Vec<pgrx::datum::DatumWithOid> = vec![
+            batch.sink.as_str().into(),
+            batch.shard.into(),
+            batch.epoch.into(),
+            event.id.as_str().into(),
+            error.as_str().into(),
+        ];
+        if function == "nack" {
+            args.push(secs.into());
+        }
+        client.update(&query, None, &args)?;
+    }
+    client.update(
+        "SELECT outbox.ack($1, $2, $3)",
+        None,
+        &[
+            batch.sink.as_str().into(),
+            batch.shard.into(),
+            batch.epoch.into(),
+        ],
+    )?;
+    Ok(settled)
+}
+
+/// A sink's figures since the last flush.
+#[derive(Default)]
+pub struct Figures {
+    pub delivered: u64,
+    pub failed: u64,
+    pub per_second: f64,
+    pub error: Option<String>,
+}
+
+/// Adds the figures to outbox._sink_stats (one small row per sink).
+pub fn record_figures(figures: &HashMap<String, Figures>) -> Result<(), String> {
+    in_transaction(|| {
+        Spi::connect_mut(|client| {
+            for (sink, f) in figures {
+                client.update(
+                    "INSERT INTO outbox._sink_stats AS s
+                         (sink, delivered, failed, per_second, last_delivered_at, last_error, last_error_at)
+                     SELECT $1, $2, $3, $4, CASE WHEN $2 > 0 THEN now() END, nullif($5, ''),
+                            CASE WHEN $5 <> '' THEN now() END
+                      WHERE EXISTS (SELECT FROM outbox.sinks k WHERE k.name = $1)
+                     ON CONFLICT (sink) DO UPDATE
+                        SET delivered = s.delivered + EXCLUDED.delivered,
+                            failed = s.failed + EXCLUDED.failed,
+                            per_second = EXCLUDED.per_second,
+                            last_delivered_at = coalesce(EXCLUDED.last_delivered_at, s.last_delivered_at),
+                            last_error = coalesce(EXCLUDED.last_error, s.last_error),
+                            last_error_at = coalesce(EXCLUDED.last_error_at, s.last_error_at),
+                            updated_at = now()",
+                    None,
+                    &[
+                        sink.as_str().into(),
+                        (f.delivered as i64).into(),
+                        (f.failed as i64).into(),
+                        f.per_second.into(),
+                        f.error.clone().unwrap_or_default().into(),
+                    ],
+                )?;
+            }
+            Ok::<_, pgrx::spi::Error>(())
+        })
+    })?
+    .map_err(|e| e.to_string())
+}
