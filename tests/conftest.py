@@ -15,13 +15,15 @@ from pgcluster import Cluster
 
 MAJORS = os.environ.get("OUTBOX_PG_MAJORS", "15 18").split()
 TEMPLATE = "outbox_template"
+DELIVER_DB = "deliver_db"
 _counter = itertools.count()
 
 
 @pytest.fixture(scope="session", params=MAJORS, ids=[f"pg{m}" for m in MAJORS])
 def cluster(request):
-    # the background worker serves these databases (tests/test_worker.py creates them)
-    c = Cluster(request.param, {"outbox_ext.databases": "'worker_db'",
+    # the background worker serves these databases (tests/test_worker.py creates worker_db;
+    # deliver_db, below, is where the delivery tests create their sinks)
+    c = Cluster(request.param, {"outbox_ext.databases": f"'worker_db, {DELIVER_DB}'",
                                 "outbox_ext.maintain_interval": "1"}).init()
     c.start()
     with c.connect() as conn:
@@ -68,6 +70,36 @@ def connect(cluster, dbname):
     yield _connect
     for conn in opened:
         conn.close()
+
+
+@pytest.fixture(scope="session")
+def deliver_db(cluster):
+    """The database the worker delivers from; tests add sinks of their own (see new_sink)."""
+    with cluster.connect() as conn:
+        conn.execute(f"CREATE DATABASE {DELIVER_DB} TEMPLATE {TEMPLATE}")
+    return DELIVER_DB
+
+
+@pytest.fixture
+def new_sink(cluster, deliver_db):
+    """new_sink(kind, url, **options) creates a sink in deliver_db (retries fast by default) and
+    returns its name; every sink is dropped after the test."""
+    names = []
+
+    def make(kind: str, url: str, **options) -> str:
+        name = f"s{next(_counter)}"
+        options = {"backoff_base": "50 ms", "backoff_max": "200 ms", **options}
+        args = "".join(f", {k} => %({k})s" for k in options)
+        with cluster.connect(deliver_db) as conn:
+            conn.execute(f"SELECT outbox.create_sink(%(name)s, %(kind)s, %(url)s{args})",
+                         {"name": name, "kind": kind, "url": url, **options})
+        names.append(name)
+        return name
+
+    yield make
+    with cluster.connect(deliver_db) as conn:
+        for name in names:
+            conn.execute("SELECT outbox.drop_sink(%s)", (name,))
 
 
 def count_events(conn, where: str = "true", params=()) -> int:

@@ -8,15 +8,7 @@ import time
 
 import pytest
 
-
-def wait_for(what, timeout: float = 30.0, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what.__doc__ or what}")
+from sinks import wait_for
 
 
 def worker_pid(cluster, db: str = "worker_db"):
@@ -81,7 +73,7 @@ def test_sighup_serves_newly_listed_databases(cluster, worker_db):
         conn.execute("CREATE DATABASE worker_db2")
         try:
             assert worker_pid(cluster, "worker_db2") is None
-            conn.execute("ALTER SYSTEM SET outbox_ext.databases = 'worker_db, worker_db2'")
+            conn.execute("ALTER SYSTEM SET outbox_ext.databases = 'worker_db, worker_db2, deliver_db'")
             conn.execute("SELECT pg_reload_conf()")
             wait_for(lambda: worker_pid(cluster, "worker_db2"), timeout=20)
         finally:

@@ -1,8 +1,11 @@
-//! Kafka REST sink (Confluent REST Proxy v2 and v3). One request per Kafka topic of a batch;
-//! the record key is the aggregate id, so Kafka keeps each key's events in one partition, in
-//! order. Each record gets its own verdict from the reply, so a partial success acks what went
-//! through and retries (or dead-letters) only the rest: the worker then holds back the failed
-//! record's key from its first failure on.
+//! Kafka REST sink (Confluent REST Proxy v2 and v3). The record key is the aggregate id, so
+//! Kafka keeps each key's events in one partition, in order. A proxy publishes the records of a
+//! request independently, so a record of a key must never share a request with a later record
+//! of the same key: if the first failed, the second would be published ahead of it. A batch is
+//! therefore sent per Kafka topic in rounds (round r holds the r-th event of every key: one
+//! request when keys are distinct), and a key that failed sits out the later rounds. Each record
+//! gets its own verdict from the reply, so a partial success acks what went through and retries
+//! (or dead-letters) only the rest, from the failed record of each key on.
 //!
 //! Tolerated variations: v2 replies with 200, 207 or 422 carrying per-record `offsets`;
 //! `error_code` null, 0 or missing on success; old codes 1 (fatal) / 2 (retriable), raw Kafka
@@ -14,6 +17,7 @@ use super::{push_json_str, Config, Event, Kind, Outcome, Verdict};
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
 use serde_json::Value;
+use std::collections::{HashMap, HashSet};
 
 pub fn send(agent: &ureq::Agent, config: &Config, events: &[&Event]) -> Outcome {
     let mut verdicts = vec![Verdict::Delivered; events.len()];
@@ -55,6 +59,53 @@ fn by_topic(config: &Config, events: &[&Event]) -> Vec<(String, Vec<usize>)> {
 }
 
 fn send_topic(agent: &ureq::Agent, config: &Config, topic: &str, events: &[&Event]) -> Outcome {
+    let mut verdicts = vec![Verdict::Delivered; events.len()];
+    let mut failed: HashSet<&str> = HashSet::new();
+    for round in rounds(events) {
+        let (held, sent): (Vec<usize>, Vec<usize>) = round
+            .into_iter()
+            .partition(|&i| failed.contains(events[i].aggregate_id.as_str()));
+        for i in held {
+            verdicts[i] = Verdict::Retry {
+                error: "held back behind an earlier event of its key".into(),
+                retry_after: None,
+            };
+        }
+        if sent.is_empty() {
+            continue;
+        }
+        let part: Vec<&Event> = sent.iter().map(|&i| events[i]).collect();
+        match post_records(agent, config, topic, &part) {
+            Outcome::Events(vs) => {
+                for (i, v) in sent.into_iter().zip(vs) {
+                    if v != Verdict::Delivered {
+                        failed.insert(events[i].aggregate_id.as_str());
+                    }
+                    verdicts[i] = v;
+                }
+            }
+            down => return down,
+        }
+    }
+    Outcome::Events(verdicts)
+}
+
+/// Indexes of the events in rounds: round r holds the r-th event of each key, in batch order.
+fn rounds(events: &[&Event]) -> Vec<Vec<usize>> {
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    let mut rounds: Vec<Vec<usize>> = Vec::new();
+    for (i, event) in events.iter().enumerate() {
+        let r = seen.entry(event.aggregate_id.as_str()).or_insert(0);
+        if *r == rounds.len() {
+            rounds.push(Vec::new());
+        }
+        rounds[*r].push(i);
+        *r += 1;
+    }
+    rounds
+}
+
+fn post_records(agent: &ureq::Agent, config: &Config, topic: &str, events: &[&Event]) -> Outcome {
     let base = config.url.trim_end_matches('/');
     let topic_path = escape_path(topic);
     let (url, content_type, body) = match config.kind {
@@ -357,6 +408,27 @@ mod tests {
             )),
             ["down"]
         );
+    }
+
+    #[test]
+    fn a_key_never_shares_a_request_with_its_own_later_events() {
+        let keys = ["a", "b", "a", "c", "a", "b"];
+        let events: Vec<Event> = keys
+            .iter()
+            .map(|k| Event {
+                id: String::new(),
+                topic: None,
+                aggregate_type: String::new(),
+                aggregate_id: k.to_string(),
+                event_type: String::new(),
+                payload: "{}".into(),
+                headers: None,
+                created_at: String::new(),
+                attempt: 1,
+            })
+            .collect();
+        let refs: Vec<&Event> = events.iter().collect();
+        assert_eq!(rounds(&refs), vec![vec![0, 1, 3], vec![2, 5], vec![4]]);
     }
 
     #[test]

@@ -36,10 +36,24 @@ pub fn send(
     events: &[&Event],
 ) -> Outcome {
     if config.format == "single" {
+        // once an event of a key fails, the key's later events are not sent ahead of it
         let mut verdicts = Vec::with_capacity(events.len());
+        let mut failed: Vec<&str> = Vec::new();
         for event in events {
+            if failed.contains(&event.aggregate_id.as_str()) {
+                verdicts.push(Verdict::Retry {
+                    error: "held back behind an earlier event of its key".into(),
+                    retry_after: None,
+                });
+                continue;
+            }
             match post(agent, config, signer, &[event]) {
-                Outcome::Events(v) => verdicts.extend(v),
+                Outcome::Events(v) => {
+                    if v.iter().any(|v| *v != Verdict::Delivered) {
+                        failed.push(&event.aggregate_id);
+                    }
+                    verdicts.extend(v)
+                }
                 down => return down,
             }
         }

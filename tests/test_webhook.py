@@ -1,0 +1,188 @@
+"""The background worker delivering to real HTTP(S) webhook receivers: batches and single
+events, signatures checked with the Standard Webhooks reference library, verified TLS, wake at
+commit, retries with Retry-After, dead letters for 4xx, routing, and changes without restart."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import pytest
+from standardwebhooks.webhooks import Webhook
+
+from sinks import Receiver, certificates, check_delivery, wait_for
+
+SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def conn(cluster, deliver_db):
+    with cluster.connect(deliver_db) as c:
+        yield c
+
+
+def emit(conn, key: str, n: int = 1, topic: str | None = None, payload: dict | None = None) -> list[str]:
+    return [conn.execute("SELECT outbox.emit('order', %s, 'order.changed', %s::jsonb, NULL, %s)::text",
+                         (key, json.dumps(payload or {"i": i}), topic)).fetchone()[0] for i in range(n)]
+
+
+def sink_status(conn, sink: str) -> dict:
+    cur = conn.execute("SELECT * FROM outbox.status WHERE consumer = %s", (sink,))
+    row = cur.fetchone()
+    return dict(zip([d.name for d in cur.description], row))
+
+
+def test_batches_arrive_signed_in_per_key_order_and_rolled_back_events_never(conn, new_sink, receiver):
+    sink = new_sink("webhook", receiver.url + "/hooks", secret=SECRET, batch_size=20)
+    emitted = defaultdict(list)
+    with conn.transaction():                       # several keys in one transaction
+        for k in range(5):
+            emitted[f"a{k}"] += emit(conn, f"a{k}", 3)
+    for k in range(5):                             # and one transaction per event
+        emitted[f"a{k}"] += emit(conn, f"a{k}", 4)
+    with pytest.raises(RuntimeError), conn.transaction():
+        emit(conn, "a0", 2)
+        raise RuntimeError("roll back")
+    wait_for(lambda: len(receiver.accepted_events()) >= 35)
+    time.sleep(0.3)
+    check_delivery(emitted, receiver.accepted_events())
+    verifier = Webhook(SECRET)
+    for request in receiver.requests:
+        verifier.verify(request.body, request.headers)   # raises if the signature is wrong
+        assert request.path == "/hooks"
+        first = request.events()[0]["id"]
+        assert request.headers["webhook-id"] == request.headers["idempotency-key"] == first
+        assert int(request.headers["outbox-event-count"]) == len(request.events())
+    assert max(len(r.events()) for r in receiver.requests) > 1, "batched"
+    status = wait_for(lambda: (s := sink_status(conn, sink))["delivered_total"] == 35 and s)
+    assert status["pending"] == 0 and status["sink_kind"] == "webhook"
+
+
+def test_a_wrong_secret_fails_verification(conn, new_sink, receiver):
+    new_sink("webhook", receiver.url, secret="whsec_" + "A" * 32)
+    emit(conn, "w1")
+    wait_for(lambda: receiver.requests)
+    with pytest.raises(Exception):
+        Webhook(SECRET).verify(receiver.requests[0].body, receiver.requests[0].headers)
+
+
+def test_single_events_carry_their_own_id(conn, new_sink, receiver):
+    new_sink("webhook", receiver.url, format="single")
+    ids = emit(conn, "s1", 5)
+    wait_for(lambda: len(receiver.requests) >= 5)
+    assert [r.headers["webhook-id"] for r in receiver.requests] == ids
+    assert all(isinstance(json.loads(r.body), dict) for r in receiver.requests)
+
+
+def test_the_worker_is_woken_at_commit(conn, new_sink, receiver):
+    new_sink("webhook", receiver.url)
+    time.sleep(1.5)                                # the worker is idle, in its long sleep
+    latencies = []
+    for i in range(8):
+        before = len(receiver.requests)
+        t0 = time.time()
+        emit(conn, f"l{i}")
+        wait_for(lambda: len(receiver.requests) > before, timeout=5, every=0.002)
+        latencies.append(receiver.requests[-1].at - t0)
+        time.sleep(0.37)                            # out of step with any poll timer
+    # the fallback poll runs once a second: waiting for it would average about 0.5 s
+    assert statistics.median(latencies) < 0.15, latencies
+
+
+def test_tls_is_verified_against_the_configured_ca(conn, new_sink, tmp_path):
+    certs = certificates(tmp_path)
+    server = Receiver(tls=(certs["server"], certs["key"]))
+    try:
+        trusting = new_sink("webhook", server.url, tls_ca=certs["ca"].read_text())
+        doubting = new_sink("webhook", server.url, tls_ca=certs["other_ca"].read_text())
+        public = new_sink("webhook", server.url)   # the public roots do not know the test CA
+        emit(conn, "tls1", 3)
+        wait_for(lambda: len(server.accepted_events()) == 3)
+        for sink in (doubting, public):
+            status = wait_for(lambda: (s := sink_status(conn, sink))["last_sink_error"] and s)
+            assert "certificate" in status["last_sink_error"].lower() or "tls" in status["last_sink_error"].lower()
+            assert status["pending"] == 3 and status["dead_letters"] == 0, "an untrusted peer gets nothing, nothing is lost"
+        assert sink_status(conn, trusting)["pending"] == 0
+    finally:
+        server.close()
+
+
+def test_5xx_and_408_are_retried_honouring_retry_after_and_order_holds(conn, new_sink):
+    answers = {"n": 0}
+
+    def flaky(request):
+        answers["n"] += 1
+        if answers["n"] == 1:
+            return 503, {"retry-after": "2"}, b"maintenance"
+        if answers["n"] in (2, 3):
+            return (500 if answers["n"] == 2 else 408), {}, b"oops"
+        return 200, {}, b""
+    receiver = Receiver(flaky)
+    try:
+        sink = new_sink("webhook", receiver.url, batch_size=10)
+        t0 = time.time()
+        emitted = {"r1": emit(conn, "r1", 4), "r2": emit(conn, "r2", 4)}
+        wait_for(lambda: len(receiver.accepted_events()) >= 8, timeout=30)
+        assert receiver.requests[0].at - t0 >= 1.9, "Retry-After: 2 was honoured"
+        check_delivery(emitted, receiver.accepted_events())
+        assert any(e["attempt"] > 1 for e in receiver.accepted_events()), "retried heads say so"
+        assert sink_status(conn, sink)["dead_letters"] == 0
+    finally:
+        receiver.close()
+
+
+def test_4xx_is_dead_lettered_and_the_key_moves_on(conn, new_sink):
+    receiver = Receiver(lambda r: (422, {}, b"bad event") if any(e["payload"].get("bad") for e in r.events())
+                        else (200, {}, b""))
+    try:
+        sink = new_sink("webhook", receiver.url, format="single")
+        good = emit(conn, "d1", payload={"n": 1})
+        bad = emit(conn, "d1", payload={"bad": True})
+        later = emit(conn, "d1", payload={"n": 3}) + emit(conn, "d2", 2)
+        wait_for(lambda: len(receiver.accepted_events()) == 4)
+        assert [e["id"] for e in receiver.accepted_events() if e["aggregate_id"] == "d1"] == good + later[:1]
+        dead = conn.execute("SELECT event_id::text, last_error FROM outbox.dead_letters WHERE consumer = %s",
+                            (sink,)).fetchall()
+        assert [d[0] for d in dead] == bad and "422" in dead[0][1]
+    finally:
+        receiver.close()
+
+
+def test_routing_by_topic_and_aggregate_type(conn, new_sink, receiver):
+    new_sink("webhook", receiver.url, topics=["billing"])
+    wanted = emit(conn, "t1", 2, topic="billing")
+    emit(conn, "t1", 2, topic="shipping")
+    emit(conn, "t2", 1)
+    wanted += emit(conn, "t3", 1, topic="billing")
+    time.sleep(1.5)
+    assert sorted(e["id"] for e in receiver.accepted_events()) == sorted(wanted)
+
+
+def test_sink_changes_apply_without_a_restart(conn, new_sink, receiver):
+    sink = new_sink("webhook", receiver.url)
+    emit(conn, "c1")
+    wait_for(lambda: len(receiver.requests) == 1)
+    other = Receiver()
+    try:
+        conn.execute("UPDATE outbox.sinks SET url = %s, format = 'single' WHERE name = %s", (other.url, sink))
+        time.sleep(1.5)
+        ids = emit(conn, "c1", 2)
+        wait_for(lambda: len(other.requests) == 2)
+        assert [r.headers["webhook-id"] for r in other.requests] == ids
+        conn.execute("UPDATE outbox.sinks SET enabled = false WHERE name = %s", (sink,))
+        time.sleep(1.5)
+        emit(conn, "c1")
+        time.sleep(1.5)
+        assert len(other.requests) == 2 and len(receiver.requests) == 1, "a disabled sink gets nothing"
+        assert sink_status(conn, sink)["pending"] == 1, "and keeps its events"
+    finally:
+        other.close()
