@@ -44,9 +44,10 @@ CREATE TABLE IF NOT EXISTS outbox._sink_stats (
 );
 
 -- Every check a sink row must pass, with the fix in the hint; also stamps updated_at (the
--- worker rebuilds a sink's client when it changes).
+-- worker rebuilds a sink's client when it changes). SECURITY DEFINER: it calls internal
+-- helpers that admins cannot execute directly.
 CREATE OR REPLACE FUNCTION outbox._check_sink() RETURNS trigger
-    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     formats text[] := CASE NEW.kind WHEN 'webhook' THEN ARRAY['batch', 'single']
@@ -93,7 +94,7 @@ BEGIN
     END IF;
     IF NEW.kind = 'kafka_rest_v3' AND coalesce(NEW.cluster_id, '') = '' THEN
         RAISE EXCEPTION 'a kafka_rest_v3 sink needs its cluster_id' USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'Find it with GET /v3/clusters on the proxy.';
+            HINT = 'Pass cluster_id => ''...''; GET /v3/clusters on the proxy lists it.';
     END IF;
     NEW.updated_at := now();
     RETURN NEW;

@@ -11,7 +11,8 @@ import pytest
 
 from relay import Relay
 
-OLD, NEW = "0.1.0", "0.2.0"
+RELEASED = ["0.1.0", "0.2.0"]   # every version one can upgrade from
+NEW = "0.3.0"
 _n = itertools.count()
 
 
@@ -33,9 +34,10 @@ def fresh_db(cluster):
             conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
 
-def test_update_keeps_pending_events_and_parked_keys_in_order(cluster, fresh_db):
+@pytest.mark.parametrize("old", RELEASED)
+def test_update_keeps_pending_events_and_parked_keys_in_order(cluster, fresh_db, old):
     with cluster.connect(fresh_db()) as db:
-        db.execute(f"CREATE EXTENSION outbox_ext VERSION '{OLD}'")
+        db.execute(f"CREATE EXTENSION outbox_ext VERSION '{old}'")
         db.execute("SELECT outbox.create_consumer('sink', backoff_base => '10 ms', backoff_max => '20 ms')")
         for i in range(60):
             db.execute("SELECT outbox.emit('order', %s, 'e', %s::jsonb)", (f"k{i % 6}", f'{{"i": {i}}}'))
@@ -63,22 +65,25 @@ def test_update_keeps_pending_events_and_parked_keys_in_order(cluster, fresh_db)
             per_key[e.aggregate_id].append(e.payload["i"])
         assert sorted(i for seq in per_key.values() for i in seq) == list(range(70)), "nothing lost or doubled"
         assert all(seq == sorted(seq) for seq in per_key.values()), "per-key order kept"
-        # and what 0.2.0 added works on the upgraded database
+        # and what later versions added works on the upgraded database
         assert db.execute("SELECT inbox.claim(outbox.uuid_v7(), 'c')").fetchone()[0] is True
         assert db.execute("SELECT count(*) FROM outbox.maintain() WHERE action = 'skipped'").fetchone()[0] == 0
+        db.execute("SELECT outbox.create_sink('hook', 'webhook', 'http://127.0.0.1:1/')")
+        assert db.execute("SELECT sink_kind FROM outbox.status WHERE consumer = 'hook'").fetchone()[0] == "webhook"
 
 
-def test_update_is_rerunnable_and_leaves_the_catalog_of_a_fresh_install(cluster, fresh_db):
+@pytest.mark.parametrize("old", RELEASED)
+def test_update_is_rerunnable_and_leaves_the_catalog_of_a_fresh_install(cluster, fresh_db, old):
     fresh, upgraded = fresh_db(), fresh_db()
     with cluster.connect(fresh) as db:
         db.execute("CREATE EXTENSION outbox_ext")
         want = catalog(db)
     with cluster.connect(upgraded) as db:
-        db.execute(f"CREATE EXTENSION outbox_ext VERSION '{OLD}'")
+        db.execute(f"CREATE EXTENSION outbox_ext VERSION '{old}'")
         db.execute("ALTER EXTENSION outbox_ext UPDATE")
         got = catalog(db)
-        # the script is rerunnable: applying it again changes nothing (outside ALTER EXTENSION
-        # PostgreSQL refuses to drop members, so its two guarded DROPs are left out here)
+        # the newest script is rerunnable: applying it again changes nothing (outside ALTER
+        # EXTENSION PostgreSQL refuses to drop members, so its guarded DROPs are left out here)
         script = db.execute("SELECT pg_read_file(%s)", (upgrade_script_path(db),)).fetchone()[0]
         body = "\n".join(line for line in script.split("\\quit", 1)[1].splitlines()
                          if not line.startswith("DROP FUNCTION IF EXISTS"))
@@ -89,7 +94,7 @@ def test_update_is_rerunnable_and_leaves_the_catalog_of_a_fresh_install(cluster,
 
 def upgrade_script_path(db) -> str:
     share = db.execute("SELECT setting FROM pg_config WHERE name = 'SHAREDIR'").fetchone()[0]
-    return f"{share}/extension/outbox_ext--{OLD}--{NEW}.sql"
+    return f"{share}/extension/outbox_ext--{RELEASED[-1]}--{NEW}.sql"
 
 
 def catalog(db) -> list[str]:

@@ -1,0 +1,70 @@
+"""Sink configuration in SQL: checked with clear errors, admin-only (it holds secrets), visible
+to relays only through outbox.status."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+GOOD = {"name": "hook", "kind": "webhook", "url": "https://hooks.example.com/outbox"}
+
+
+def create(conn, **options):
+    args = ", ".join(f"{k} => %({k})s" for k in options)
+    conn.execute(f"SELECT outbox.create_sink({args})", options)
+
+
+@pytest.mark.parametrize("bad,hint_has", [
+    ({"kind": "smtp"}, "webhook, kafka_rest_v2 or kafka_rest_v3"),
+    ({"url": "ftp://example.com"}, "http://"),
+    ({"url": "http:/nohost"}, "http://"),
+    ({"format": "avro"}, "batch, single"),
+    ({"kind": "kafka_rest_v2", "format": "single"}, "json, binary"),
+    ({"kind": "kafka_rest_v3"}, "cluster_id"),
+    ({"batch_size": 0}, "batch_size is 1 to 10000"),
+    ({"concurrency": 65}, "concurrency is 1 to 64"),
+    ({"request_timeout": "0 s"}, "request_timeout"),
+    ({"secret": "hunter2"}, "whsec_"),
+    ({"http_headers": '{"X-N": 1}'}, "Authorization"),
+    ({"tls_ca": "not a certificate"}, "PEM"),
+])
+def test_bad_sinks_are_refused_with_a_hint(db, bad, hint_has):
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as e:
+        create(db, **{**GOOD, **bad})
+    assert hint_has in (e.value.diag.message_hint or "")
+    assert db.execute("SELECT count(*) FROM outbox.consumers").fetchone()[0] == 0, "nothing half-made"
+
+
+def test_defaults_and_drop(db):
+    create(db, **GOOD)
+    row = db.execute("SELECT format, batch_size, concurrency, enabled FROM outbox.sinks").fetchone()
+    assert row == ("batch", 100, 4, True)
+    with pytest.raises(psycopg.errors.DuplicateObject):
+        create(db, **GOOD)
+    assert db.execute("SELECT outbox.drop_sink('hook')").fetchone()[0] is True
+    assert db.execute("SELECT count(*) FROM outbox.sinks").fetchone()[0] == 0
+    assert db.execute("SELECT count(*) FROM outbox.consumers").fetchone()[0] == 0
+    assert db.execute("SELECT outbox.drop_sink('hook')").fetchone()[0] is False
+
+
+def test_an_update_is_checked_too(db):
+    create(db, **GOOD)
+    with pytest.raises(psycopg.errors.InvalidParameterValue):
+        db.execute("UPDATE outbox.sinks SET url = 'nope'")
+
+
+def test_only_admins_see_or_change_sinks(db, connect):
+    admin = connect("admin_user")
+    create(admin, **GOOD, secret="whsec_" + "B" * 32)
+    assert admin.execute("SELECT secret FROM outbox.sinks").fetchone()[0].startswith("whsec_")
+    for user in ("relay_user", "producer_user", "nobody_user"):
+        conn = connect(user)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("SELECT * FROM outbox.sinks")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            create(conn, **{**GOOD, "name": f"x_{user}"})
+    relay = connect("relay_user")
+    status = relay.execute("SELECT * FROM outbox.status WHERE consumer = 'hook'")
+    columns = [d.name for d in status.description]
+    assert status.fetchone() is not None
+    assert not any("secret" in c or "url" in c or "header" in c for c in columns)
