@@ -5,14 +5,15 @@ source "$(dirname "${BASH_SOURCE[0]}")/../scripts/lib.sh"
 PORT=${BENCH_PORT:-55499}
 BIN=""
 
-# start_bench_cluster NAME: fresh cluster in target/bench/NAME with database "bench".
+# start_bench_cluster NAME [postgresql.conf lines]: fresh cluster in target/bench/NAME with
+# database "bench".
 start_bench_cluster() {
-    local data="$TARGET/bench/$1"
+    local data="$TARGET/bench/$1"; shift
     setup_machine
     install_extension 15 release
     stop_cluster 15 "$data"
     start_cluster 15 "$data" "$PORT" "synchronous_commit = off" "shared_buffers = 1GB" \
-        "max_wal_size = 8GB" "autovacuum_naptime = 10s"
+        "max_wal_size = 8GB" "autovacuum_naptime = 10s" "$@"
     BENCH_DATA=$data
     trap 'stop_cluster 15 "$BENCH_DATA"' EXIT
     BIN=$(pg_bindir 15)

@@ -274,6 +274,11 @@ class KafkaRestFront(_Server):
         self.lock = threading.Lock()   # one request at a time keeps each partition in request order
         super().__init__()
 
+    def close(self) -> None:
+        super().close()
+        self.producer.flush(1)
+        self.producer = None   # librdkafka's threads end with the producer
+
     def handle(self, request: Request):
         self.faults.calls += 1
         parts = request.path.strip("/").split("/")

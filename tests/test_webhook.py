@@ -186,3 +186,15 @@ def test_sink_changes_apply_without_a_restart(conn, new_sink, receiver):
         assert sink_status(conn, sink)["pending"] == 1, "and keeps its events"
     finally:
         other.close()
+
+
+def test_big_payloads_are_delivered_in_smaller_batches(conn, new_sink, receiver):
+    new_sink("webhook", receiver.url, batch_size=100)
+    big = "x" * 900_000
+    ids = [conn.execute("SELECT outbox.emit('order', %s, 'big', jsonb_build_object('blob', %s::text))::text",
+                        (f"big{i % 3}", big)).fetchone()[0] for i in range(40)]
+    wait_for(lambda: len(receiver.accepted_events()) >= 40, timeout=60)
+    assert sorted(e["id"] for e in receiver.accepted_events()) == sorted(ids)
+    assert all(e["payload"]["blob"] == big for e in receiver.accepted_events())
+    # after the first claim sees how big they are, claims take about 8 MB of events at a time
+    assert max(len(r.events()) for r in receiver.requests[1:]) <= 10

@@ -13,26 +13,43 @@
 //! throttling with an HTML body.
 
 use super::http::{self, judge_failure, Reply};
-use super::{push_json_str, Config, Event, Kind, Outcome, Verdict};
+use super::{held_back, push_json_str, Config, Event, Kind, Outcome, Tally, Verdict};
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
 use serde_json::Value;
 use std::collections::{HashMap, HashSet};
 
 pub fn send(agent: &ureq::Agent, config: &Config, events: &[&Event]) -> Outcome {
-    let mut verdicts = vec![Verdict::Delivered; events.len()];
+    let mut tally = Tally::new(events.len());
+    let mut failed: HashSet<&str> = HashSet::new();
     for (topic, indexes) in by_topic(config, events) {
         let part: Vec<&Event> = indexes.iter().map(|&i| events[i]).collect();
-        match send_topic(agent, config, &topic, &part) {
-            Outcome::Events(vs) => {
-                for (i, v) in indexes.into_iter().zip(vs) {
-                    verdicts[i] = v;
+        for round in rounds(&part) {
+            let (held, sent): (Vec<usize>, Vec<usize>) = round
+                .into_iter()
+                .map(|j| indexes[j])
+                .partition(|&i| failed.contains(events[i].aggregate_id.as_str()));
+            for i in held {
+                tally.set(i, held_back());
+            }
+            if sent.is_empty() {
+                continue;
+            }
+            let records: Vec<&Event> = sent.iter().map(|&i| events[i]).collect();
+            let outcome = post_records(agent, config, &topic, &records);
+            if let Outcome::Events(verdicts) = &outcome {
+                for (&i, v) in sent.iter().zip(verdicts) {
+                    if *v != Verdict::Delivered {
+                        failed.insert(events[i].aggregate_id.as_str());
+                    }
                 }
             }
-            down => return down,
+            if let Some(stop) = tally.record(&sent, outcome) {
+                return stop;
+            }
         }
     }
-    Outcome::Events(verdicts)
+    tally.finish()
 }
 
 /// The Kafka topic of an event: its topic (or aggregate type), renamed by `topic_map`.
@@ -56,38 +73,6 @@ fn by_topic(config: &Config, events: &[&Event]) -> Vec<(String, Vec<usize>)> {
         }
     }
     groups
-}
-
-fn send_topic(agent: &ureq::Agent, config: &Config, topic: &str, events: &[&Event]) -> Outcome {
-    let mut verdicts = vec![Verdict::Delivered; events.len()];
-    let mut failed: HashSet<&str> = HashSet::new();
-    for round in rounds(events) {
-        let (held, sent): (Vec<usize>, Vec<usize>) = round
-            .into_iter()
-            .partition(|&i| failed.contains(events[i].aggregate_id.as_str()));
-        for i in held {
-            verdicts[i] = Verdict::Retry {
-                error: "held back behind an earlier event of its key".into(),
-                retry_after: None,
-            };
-        }
-        if sent.is_empty() {
-            continue;
-        }
-        let part: Vec<&Event> = sent.iter().map(|&i| events[i]).collect();
-        match post_records(agent, config, topic, &part) {
-            Outcome::Events(vs) => {
-                for (i, v) in sent.into_iter().zip(vs) {
-                    if v != Verdict::Delivered {
-                        failed.insert(events[i].aggregate_id.as_str());
-                    }
-                    verdicts[i] = v;
-                }
-            }
-            down => return down,
-        }
-    }
-    Outcome::Events(verdicts)
 }
 
 /// Indexes of the events in rounds: round r holds the r-th event of each key, in batch order.

@@ -153,29 +153,24 @@ impl Client {
     pub fn deliver(&self, events: &[Event]) -> Outcome {
         let (first, retried): (Vec<usize>, Vec<usize>) =
             (0..events.len()).partition(|&i| events[i].attempt <= 1);
-        let mut verdicts = vec![Verdict::Delivered; events.len()];
+        let mut tally = Tally::new(events.len());
         let groups = std::iter::once(first).chain(retried.into_iter().map(|i| vec![i]));
         for group in groups {
-            let routed: Vec<usize> = group
+            let (routed, skipped): (Vec<usize>, Vec<usize>) = group
                 .into_iter()
-                .filter(|&i| self.config.routes(&events[i]))
-                .collect();
+                .partition(|&i| self.config.routes(&events[i]));
+            for i in skipped {
+                tally.set(i, Verdict::Delivered);
+            }
             if routed.is_empty() {
                 continue;
             }
             let part: Vec<&Event> = routed.iter().map(|&i| &events[i]).collect();
-            match self.send(&part) {
-                Outcome::SinkDown { error, retry_after } => {
-                    return Outcome::SinkDown { error, retry_after }
-                }
-                Outcome::Events(vs) => {
-                    for (i, v) in routed.into_iter().zip(vs) {
-                        verdicts[i] = v;
-                    }
-                }
+            if let Some(stop) = tally.record(&routed, self.send(&part)) {
+                return stop;
             }
         }
-        Outcome::Events(verdicts)
+        tally.finish()
     }
 
     fn send(&self, events: &[&Event]) -> Outcome {
@@ -186,10 +181,110 @@ impl Client {
     }
 }
 
+/// The verdicts of a batch sent in several requests. When the sink goes down after part of the
+/// batch got through, giving the whole batch back would send that part again: instead the part
+/// that got through is acked and the rest retried per key (one attempt counted); later batches
+/// find the sink down at their first request and are given back whole, uncounted.
+pub struct Tally {
+    verdicts: Vec<Option<Verdict>>,
+    any_sent: bool,
+}
+
+impl Tally {
+    pub fn new(n: usize) -> Tally {
+        Tally {
+            verdicts: vec![None; n],
+            any_sent: false,
+        }
+    }
+
+    pub fn set(&mut self, i: usize, verdict: Verdict) {
+        self.verdicts[i] = Some(verdict);
+    }
+
+    /// Takes a request's outcome for the events `indexes`; Some(outcome of the whole batch)
+    /// when the sink is down and the batch must stop.
+    pub fn record(&mut self, indexes: &[usize], outcome: Outcome) -> Option<Outcome> {
+        match outcome {
+            Outcome::Events(verdicts) => {
+                for (&i, v) in indexes.iter().zip(verdicts) {
+                    self.any_sent |= v == Verdict::Delivered;
+                    self.verdicts[i] = Some(v);
+                }
+                None
+            }
+            Outcome::SinkDown { error, retry_after } if self.any_sent => Some(Outcome::Events(
+                self.verdicts
+                    .iter()
+                    .map(|v| {
+                        v.clone().unwrap_or(Verdict::Retry {
+                            error: error.clone(),
+                            retry_after,
+                        })
+                    })
+                    .collect(),
+            )),
+            down => Some(down),
+        }
+    }
+
+    /// Events no request carried count as delivered (skipped by routing).
+    pub fn finish(self) -> Outcome {
+        Outcome::Events(
+            self.verdicts
+                .into_iter()
+                .map(|v| v.unwrap_or(Verdict::Delivered))
+                .collect(),
+        )
+    }
+}
+
+/// The verdict of an event not sent because an earlier event of its key failed.
+pub fn held_back() -> Verdict {
+    Verdict::Retry {
+        error: "held back behind an earlier event of its key".into(),
+        retry_after: None,
+    }
+}
+
 /// Appends `s` as a JSON string.
 pub fn push_json_str(out: &mut String, s: &str) {
     match serde_json::to_string(s) {
         Ok(quoted) => out.push_str(&quoted),
         Err(_) => out.push_str("null"), // cannot happen for a &str
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn down() -> Outcome {
+        Outcome::SinkDown {
+            error: "refused".into(),
+            retry_after: None,
+        }
+    }
+
+    #[test]
+    fn a_sink_down_at_the_first_request_gives_the_batch_back() {
+        let mut tally = Tally::new(3);
+        tally.set(2, Verdict::Delivered); // skipped by routing: not a delivery
+        assert_eq!(tally.record(&[0, 1], down()), Some(down()));
+    }
+
+    #[test]
+    fn a_sink_down_after_part_got_through_keeps_that_part() {
+        let mut tally = Tally::new(3);
+        assert_eq!(
+            tally.record(&[0], Outcome::all(1, Verdict::Delivered)),
+            None
+        );
+        let Some(Outcome::Events(v)) = tally.record(&[1], down()) else {
+            panic!("expected verdicts");
+        };
+        assert_eq!(v[0], Verdict::Delivered);
+        assert!(matches!(&v[1], Verdict::Retry { error, .. } if error == "refused"));
+        assert!(matches!(&v[2], Verdict::Retry { .. }), "not sent: retried");
     }
 }

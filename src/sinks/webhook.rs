@@ -4,7 +4,7 @@
 //! way: `webhook-signature: v1,base64(HMAC-SHA256(key, "{id}.{timestamp}.{body}"))`.
 
 use super::http::{self, judge_failure};
-use super::{push_json_str, Config, Event, Outcome, Verdict};
+use super::{held_back, push_json_str, Config, Event, Outcome, Tally, Verdict};
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -37,27 +37,23 @@ pub fn send(
 ) -> Outcome {
     if config.format == "single" {
         // once an event of a key fails, the key's later events are not sent ahead of it
-        let mut verdicts = Vec::with_capacity(events.len());
+        let mut tally = Tally::new(events.len());
         let mut failed: Vec<&str> = Vec::new();
-        for event in events {
+        for (i, event) in events.iter().enumerate() {
             if failed.contains(&event.aggregate_id.as_str()) {
-                verdicts.push(Verdict::Retry {
-                    error: "held back behind an earlier event of its key".into(),
-                    retry_after: None,
-                });
+                tally.set(i, held_back());
                 continue;
             }
-            match post(agent, config, signer, &[event]) {
-                Outcome::Events(v) => {
-                    if v.iter().any(|v| *v != Verdict::Delivered) {
-                        failed.push(&event.aggregate_id);
-                    }
-                    verdicts.extend(v)
-                }
-                down => return down,
+            let outcome = post(agent, config, signer, &[event]);
+            if matches!(&outcome, Outcome::Events(v) if v.iter().any(|v| *v != Verdict::Delivered))
+            {
+                failed.push(&event.aggregate_id);
+            }
+            if let Some(stop) = tally.record(&[i], outcome) {
+                return stop;
             }
         }
-        Outcome::Events(verdicts)
+        tally.finish()
     } else {
         post(agent, config, signer, events)
     }

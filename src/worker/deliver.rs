@@ -131,8 +131,9 @@ pub fn take_back_leases(sink: &str) -> Result<i32, String> {
     .map_err(|e| e.to_string())
 }
 
-/// Claims the next batch of one shard of the sink, or None when no shard has work.
-pub fn claim(config: &Config, lease: Duration) -> Result<Option<Batch>, String> {
+/// Claims the next batch (at most batch_size events) of one shard of the sink, or None when no
+/// shard has work.
+pub fn claim(config: &Config, batch_size: i32, lease: Duration) -> Result<Option<Batch>, String> {
     in_transaction(|| {
         // select, not update: pgrx's update takes an xid first, and a claim must come before
         // its transaction's first write (see sql/claim.sql)
@@ -145,7 +146,7 @@ pub fn claim(config: &Config, lease: Duration) -> Result<Option<Batch>, String> 
                 None,
                 &[
                     config.name.as_str().into(),
-                    config.batch_size.into(),
+                    batch_size.into(),
                     lease.as_secs_f64().into(),
                     OWNER.into(),
                 ],

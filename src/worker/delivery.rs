@@ -25,10 +25,15 @@ const RATE_WINDOW: Duration = Duration::from_secs(10);
 const MAX_PAUSE: Duration = Duration::from_secs(30);
 /// On SIGTERM, batches in flight get this long to finish and be settled.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// Claims shrink below the sink's batch_size when events are big, to about this many bytes,
+/// so memory stays bounded whatever the payload sizes.
+const BATCH_BYTES: usize = 8 * 1024 * 1024;
 
 struct Sink {
     client: Arc<Client>,
     stamp: String,
+    /// Events per claim: batch_size, less when events are big (see BATCH_BYTES).
+    batch_limit: i32,
     paused_until: Option<Instant>,
     down_streak: u32,
     figures: Figures,
@@ -154,6 +159,7 @@ impl Delivery {
         };
         match self.sinks.get_mut(&name) {
             Some(sink) => {
+                sink.batch_limit = client.config.batch_size;
                 sink.client = client;
                 sink.stamp = row.stamp;
                 sink.paused_until = None;
@@ -165,6 +171,7 @@ impl Delivery {
                 self.sinks.insert(
                     name,
                     Sink {
+                        batch_limit: client.config.batch_size,
                         client,
                         stamp: row.stamp,
                         paused_until: None,
@@ -189,8 +196,11 @@ impl Delivery {
             // long enough for every request of a batch; a dead worker's leases are taken back
             let lease = (config.request_timeout * 4).max(Duration::from_secs(300));
             while self.pool.in_flight(name) < config.concurrency {
-                match deliver::claim(config, lease) {
-                    Ok(Some(batch)) => self.pool.submit(Arc::clone(&sink.client), batch),
+                match deliver::claim(config, sink.batch_limit, lease) {
+                    Ok(Some(batch)) => {
+                        sink.batch_limit = batch_limit(config.batch_size, &batch.events);
+                        self.pool.submit(Arc::clone(&sink.client), batch)
+                    }
                     Ok(None) => break,
                     Err(e) => {
                         note_error(name, sink, &format!("claim failed: {e}"));
@@ -269,6 +279,16 @@ impl Delivery {
         }
         deliver::record_figures(&figures)
     }
+}
+
+/// The next claim's size: batch_size, or fewer events of the size just seen to fit BATCH_BYTES.
+fn batch_limit(batch_size: i32, events: &[crate::sinks::Event]) -> i32 {
+    let bytes: usize = events
+        .iter()
+        .map(|e| e.payload.len() + e.headers.as_ref().map_or(0, String::len) + 200)
+        .sum();
+    let per_event = (bytes / events.len().max(1)).max(1);
+    ((BATCH_BYTES / per_event).max(1) as i32).min(batch_size)
 }
 
 /// Keeps the error for the sink's figures; logs it when it changes, or once a minute.

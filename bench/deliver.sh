@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Delivery benchmark: the background worker end to end (see bench/deliver.py for what it
+# measures and against which baselines). Release build, cluster settings of
+# ../shared/baselines.md, worker serving database "bench".
+# Usage: bench/deliver.sh [events, default 200000] [backlog for the RSS run, default 1000000] [steps...]
+source "$(dirname "$0")/common.sh"
+EVENTS=${1:-200000}
+BACKLOG=${2:-1000000}
+shift 2 || shift $#
+start_bench_cluster deliver "outbox_ext.databases = 'bench'"
+"$VENV/bin/python" "$(dirname "$0")/deliver.py" "$PORT" "$EVENTS" "$BACKLOG" "$@"
