@@ -81,6 +81,13 @@ def deliver_db(cluster):
 
 
 @pytest.fixture
+def conn(cluster, deliver_db):
+    """An autocommit superuser connection to deliver_db."""
+    with cluster.connect(deliver_db) as c:
+        yield c
+
+
+@pytest.fixture
 def new_sink(cluster, deliver_db):
     """new_sink(kind, url, **options) creates a sink in deliver_db (retries fast by default) and
     returns its name; every sink is dropped after the test."""

@@ -39,11 +39,6 @@ def front(tansu, topic):
     f.close()
 
 
-@pytest.fixture
-def conn(cluster, deliver_db):
-    with cluster.connect(deliver_db) as c:
-        yield c
-
 
 def emit_many(conn, topic: str, keys: int, per_key: int) -> dict[str, list[dict]]:
     """Emits interleaved events of several keys; returns key -> payloads in order."""

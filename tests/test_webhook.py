@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
 from collections import defaultdict
 
@@ -23,11 +24,6 @@ def receiver():
     yield r
     r.close()
 
-
-@pytest.fixture
-def conn(cluster, deliver_db):
-    with cluster.connect(deliver_db) as c:
-        yield c
 
 
 def emit(conn, key: str, n: int = 1, topic: str | None = None, payload: dict | None = None) -> list[str]:
@@ -198,3 +194,28 @@ def test_big_payloads_are_delivered_in_smaller_batches(conn, new_sink, receiver)
     assert all(e["payload"]["blob"] == big for e in receiver.accepted_events())
     # after the first claim sees how big they are, claims take about 8 MB of events at a time
     assert max(len(r.events()) for r in receiver.requests[1:]) <= 10
+
+
+def test_no_transaction_is_open_while_a_request_is_out(conn, new_sink):
+    in_request = threading.Event()
+
+    def slow(request):
+        in_request.set()
+        time.sleep(1.5)
+        return 200, {}, b""
+    receiver = Receiver(slow)
+    try:
+        new_sink("webhook", receiver.url)
+        emit(conn, "slow1")
+        assert in_request.wait(10)
+        time.sleep(0.2)
+        worker = conn.execute(
+            "SELECT a.pid, a.state, a.xact_start, a.backend_xid, a.query FROM pg_stat_activity a "
+            "WHERE a.backend_type = 'outbox_ext worker' AND a.datname = current_database()").fetchone()
+        assert worker[1] == "active" and worker[4].startswith("delivering: 1 batch"), worker
+        assert worker[2] is None and worker[3] is None, "no transaction while the request is out"
+        locks = conn.execute("SELECT locktype, relation::regclass::text, mode FROM pg_locks "
+                             "WHERE pid = %s AND locktype <> 'virtualxid'", (worker[0],)).fetchall()
+        assert locks == [("advisory", None, "ExclusiveLock")], "only its per-database advisory lock"
+    finally:
+        receiver.close()

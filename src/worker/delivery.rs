@@ -100,11 +100,10 @@ impl Delivery {
         if Instant::now() >= self.next_flush {
             self.flush_figures()?;
         }
-        let in_flight = self.pool.total_in_flight();
-        if in_flight == 0 {
-            report_activity("idle");
-        } else {
-            report_activity(&format!("delivering: {in_flight} batches in flight"));
+        match self.pool.total_in_flight() {
+            0 => report_activity("idle"),
+            1 => report_activity("delivering: 1 batch in flight"),
+            n => report_activity(&format!("delivering: {n} batches in flight")),
         }
         Ok(())
     }

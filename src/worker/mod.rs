@@ -156,15 +156,16 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
                 continue;
             }
         }
+        if Instant::now() >= next_maintain {
+            maintain();
+            next_maintain = Instant::now() + gucs::maintain_interval();
+        }
+        // last: it reports what the worker is doing in pg_stat_activity
         if let Err(e) = delivery.run() {
             installed = extension_installed();
             if installed {
                 warning!("outbox_ext worker: {e}");
             }
-        }
-        if Instant::now() >= next_maintain {
-            maintain();
-            next_maintain = Instant::now() + gucs::maintain_interval();
         }
     }
     delivery.shut_down();
@@ -222,7 +223,6 @@ fn maintain() {
     for action in actions.iter().filter(|a| !a.starts_with("skipped")) {
         log!("outbox_ext maintain: {action}");
     }
-    report_activity("idle");
 }
 
 /// Rereads postgresql.conf after a SIGHUP; true if there was one.
