@@ -212,3 +212,29 @@ def test_a_poisoned_key_blocks_only_itself(faulty):
             check_delivery(emitted, receiver.accepted_events())
     finally:
         receiver.close()
+
+
+def receiver_busy(cluster) -> bool:
+    """the worker has a batch out"""
+    with cluster.connect() as conn:
+        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'outbox_ext worker' "
+                            "AND query LIKE 'delivering%%'").fetchone()[0] > 0
+
+
+def test_a_fast_shutdown_settles_the_batch_in_flight(faulty):
+    receiver = Receiver(lambda r: (time.sleep(1.5), (200, {}, b""))[1])
+    try:
+        with connect(faulty) as conn:
+            create_sink(conn, receiver.url, batch_size=50, concurrency=1)
+            emitted = emit(conn, keys=5, per_key=4, prefix="term")
+        wait_for(lambda: receiver.requests or receiver_busy(faulty))
+        time.sleep(0.5)                            # the batch is out, its answer 1 s away
+        log_start = len(faulty.log())
+        faulty.stop("fast")                        # SIGTERM to the worker
+        assert f'outbox_ext worker for "{DB}" stopping' in faulty.log()[log_start:]
+        faulty.start()
+        wait_for(lambda: len({e["id"] for e in receiver.accepted_events()}) >= 20, timeout=30)
+        time.sleep(1)
+        check_delivery(emitted, receiver.accepted_events())   # nothing sent twice
+    finally:
+        receiver.close()

@@ -219,3 +219,11 @@ def test_no_transaction_is_open_while_a_request_is_out(conn, new_sink):
         assert locks == [("advisory", None, "ExclusiveLock")], "only its per-database advisory lock"
     finally:
         receiver.close()
+
+
+def test_an_unresolvable_host_is_reported_and_loses_nothing(conn, new_sink):
+    sink = new_sink("webhook", "http://no-such-host.invalid/hooks", connect_timeout="1 s")
+    emit(conn, "dns1", 2)
+    status = wait_for(lambda: (s := sink_status(conn, sink))["last_sink_error"] and s)
+    assert "no-such-host.invalid" in status["last_sink_error"], "the error names the host (not the path)"
+    assert status["pending"] == 2 and status["dead_letters"] == 0

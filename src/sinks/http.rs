@@ -62,7 +62,9 @@ pub fn post(
     for (name, value) in headers {
         request = request.header(name.as_str(), value.as_str());
     }
-    let mut response = request.send(body).map_err(|e| e.to_string())?;
+    let mut response = request
+        .send(body)
+        .map_err(|e| format!("{}: {e}", host_of(url)))?;
     let status = response.status().as_u16();
     let retry_after = response
         .headers()
@@ -81,6 +83,16 @@ pub fn post(
         retry_after,
         body,
     })
+}
+
+/// "host:port" of a URL, for errors: outbox.status shows them to relays, so never the path or
+/// credentials.
+pub fn host_of(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host)
 }
 
 /// How a reply that is not a success counts:
@@ -170,6 +182,15 @@ mod tests {
         );
         assert_eq!(parse_retry_after("soon", now), None);
         assert_eq!(parse_retry_after("-1", now), None);
+    }
+
+    #[test]
+    fn errors_name_the_host_only() {
+        assert_eq!(
+            host_of("https://u:pw@hooks.example.com:8443/a/b?t=1"),
+            "hooks.example.com:8443"
+        );
+        assert_eq!(host_of("http://127.0.0.1/"), "127.0.0.1");
     }
 
     #[test]
