@@ -4,6 +4,7 @@ server, follows outbox_ext.databases on SIGHUP, and shows itself in pg_stat_acti
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -17,6 +18,12 @@ def worker_pid(cluster, db: str = "worker_db"):
         row = conn.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_ext worker' "
                            "AND datname = %s", (db,)).fetchone()
     return row and row[0]
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process"""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.fixture
@@ -33,7 +40,9 @@ def test_waits_quietly_for_create_extension_then_runs_maintenance(cluster, worke
     log_start = len(cluster.log())
     wait_for(lambda: worker_pid(cluster))
     wait_for(lambda: "waiting for CREATE EXTENSION outbox_ext in \"worker_db\"" in cluster.log()[log_start:])
+    cpu_before = cpu_seconds(worker_pid(cluster))
     time.sleep(2)
+    assert cpu_seconds(worker_pid(cluster)) - cpu_before < 0.1, "waiting costs next to no CPU"
     assert "ERROR" not in cluster.log()[log_start:] and "FATAL" not in cluster.log()[log_start:]
     with cluster.connect(worker_db) as db:
         db.execute("CREATE EXTENSION outbox_ext")

@@ -26,6 +26,8 @@ use std::time::{Duration, Instant};
 
 /// How often the launcher looks at its workers (it is also woken when one stops).
 const LAUNCHER_NAP: Duration = Duration::from_secs(5);
+/// How often a worker looks for CREATE EXTENSION in its database.
+const EXTENSION_CHECK: Duration = Duration::from_secs(1);
 
 /// Registers the launcher; a no-op unless loaded through shared_preload_libraries.
 pub fn init() {
@@ -153,6 +155,7 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
                     log!("outbox_ext worker: waiting for CREATE EXTENSION outbox_ext in \"{db}\"");
                     said_waiting = true;
                 }
+                next_maintain = Instant::now() + EXTENSION_CHECK; // also when to look again
                 continue;
             }
         }
