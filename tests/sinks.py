@@ -257,6 +257,7 @@ class FrontFaults:
     record fails, codes 1 / 2, no error fields on success)."""
     fail: Callable[[str, bytes, bytes], int | None] = lambda topic, key, value: None
     variant: str = "confluent"
+    max_records: int = 0            # more records in one request: 413 (0: no limit)
     calls: int = 0
     produced: list = field(default_factory=list)
 
@@ -296,6 +297,9 @@ class KafkaRestFront(_Server):
         return status, {"content-type": "application/json"}, json.dumps(
             {"error_code": code, "message": message}).encode()
 
+    def too_many(self, records: list) -> bool:
+        return 0 < self.faults.max_records < len(records)
+
     def produce(self, topic: str, records: list[tuple[bytes, bytes, list]]) -> list[dict]:
         """Produces in order; one report per record: partition/offset or an error code."""
         reports: list[dict] = [{} for _ in records]
@@ -319,6 +323,8 @@ class KafkaRestFront(_Server):
         body = json.loads(request.body)
         if not body.get("records"):
             return self.error(422, 42201, "records must not be empty")
+        if self.too_many(body["records"]):
+            return self.error(413, 413, "Request Entity Too Large")
         binary = "binary" in content_type
         decode = (lambda v: base64.b64decode(v)) if binary else (lambda v: json.dumps(v).encode())
         records = [(r["key"].encode() if not binary else base64.b64decode(r["key"]), decode(r["value"]), [])
@@ -352,6 +358,8 @@ class KafkaRestFront(_Server):
             records.append(obj)
         if not records:
             return self.error(422, 422, "empty body")
+        if self.too_many(records):
+            return self.error(413, 413, "Request Entity Too Large")
 
         def data(part):
             kind, value = part["type"], part["data"]

@@ -156,3 +156,14 @@ def test_binary_values_are_the_payload_bytes(conn, new_sink, tansu, front, topic
     (record,) = tansu.read(topic, 2, expect=1)
     assert json.loads(record["value"].decode()) == {"x": [1, "é"]}
     assert base64.b64encode(record["key"]) == base64.b64encode(b"b1")
+
+
+@pytest.mark.parametrize("kind", ["kafka_rest_v2", "kafka_rest_v3"])
+def test_a_request_too_large_is_split(conn, new_sink, tansu, front, topic, kind):
+    front.faults.max_records = 4
+    sink = new_sink(kind, front.url, cluster_id=KafkaRestFront.CLUSTER, batch_size=50)
+    sent = emit_many(conn, topic, keys=12, per_key=2)
+    records = tansu.read(topic, 2, expect=24)
+    assert len(records) == 24
+    check_partitions(records, sent)
+    assert conn.execute("SELECT count(*) FROM outbox.dead_letters WHERE consumer = %s", (sink,)).fetchone()[0] == 0

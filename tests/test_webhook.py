@@ -227,3 +227,17 @@ def test_an_unresolvable_host_is_reported_and_loses_nothing(conn, new_sink):
     status = wait_for(lambda: (s := sink_status(conn, sink))["last_sink_error"] and s)
     assert "no-such-host.invalid" in status["last_sink_error"], "the error names the host (not the path)"
     assert status["pending"] == 2 and status["dead_letters"] == 0
+
+
+def test_a_request_too_large_is_split_not_dead_lettered(conn, new_sink):
+    receiver = Receiver(lambda r: (413, {}, b"too large") if len(r.events()) > 3 else (200, {}, b""))
+    try:
+        sink = new_sink("webhook", receiver.url, batch_size=20)
+        with conn.transaction():
+            emitted = {f"big{k}": emit(conn, f"big{k}", 4) for k in range(4)}
+        wait_for(lambda: len(receiver.accepted_events()) >= 16)
+        check_delivery(emitted, receiver.accepted_events())
+        assert max(len(r.events()) for r in receiver.requests) <= 3
+        assert sink_status(conn, sink)["dead_letters"] == 0
+    finally:
+        receiver.close()

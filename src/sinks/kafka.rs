@@ -13,7 +13,7 @@
 //! throttling with an HTML body.
 
 use super::http::{self, judge_failure, Reply};
-use super::{held_back, push_json_str, Config, Event, Kind, Outcome, Tally, Verdict};
+use super::{held_back, push_json_str, split, Config, Event, Kind, Outcome, Tally, Verdict};
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
 use serde_json::Value;
@@ -127,6 +127,9 @@ fn post_records(agent: &ureq::Agent, config: &Config, topic: &str, events: &[&Ev
             error: format!("{what}: {error}"),
             retry_after: None,
         },
+        Ok(reply) if reply.status == 413 && events.len() > 1 => {
+            split(events, |half| post_records(agent, config, topic, half))
+        }
         Ok(reply) => judge_reply(config.kind, &reply, &what, events.len()),
     }
 }

@@ -239,6 +239,40 @@ impl Tally {
     }
 }
 
+/// A request the sink refused as too large (413), sent again as two halves, in order (and so
+/// on, down to single events: only a single event too large is dead-lettered). Events of the
+/// second half whose key failed in the first are held back.
+pub fn split(events: &[&Event], send: impl Fn(&[&Event]) -> Outcome) -> Outcome {
+    let first = &events[..events.len() / 2];
+    let mut tally = Tally::new(events.len());
+    let outcome = send(first);
+    let failed: Vec<&str> = match &outcome {
+        Outcome::Events(verdicts) => first
+            .iter()
+            .zip(verdicts)
+            .filter(|(_, v)| **v != Verdict::Delivered)
+            .map(|(e, _)| e.aggregate_id.as_str())
+            .collect(),
+        Outcome::SinkDown { .. } => Vec::new(),
+    };
+    let first_indexes: Vec<usize> = (0..first.len()).collect();
+    if let Some(stop) = tally.record(&first_indexes, outcome) {
+        return stop;
+    }
+    let (held, sent): (Vec<usize>, Vec<usize>) = (first.len()..events.len())
+        .partition(|&i| failed.contains(&events[i].aggregate_id.as_str()));
+    for i in held {
+        tally.set(i, held_back());
+    }
+    if !sent.is_empty() {
+        let part: Vec<&Event> = sent.iter().map(|&i| events[i]).collect();
+        if let Some(stop) = tally.record(&sent, send(&part)) {
+            return stop;
+        }
+    }
+    tally.finish()
+}
+
 /// The verdict of an event not sent because an earlier event of its key failed.
 pub fn held_back() -> Verdict {
     Verdict::Retry {
@@ -264,6 +298,55 @@ mod tests {
             error: "refused".into(),
             retry_after: None,
         }
+    }
+
+    fn event(key: &str) -> Event {
+        Event {
+            id: String::new(),
+            topic: None,
+            aggregate_type: String::new(),
+            aggregate_id: key.into(),
+            event_type: String::new(),
+            payload: "{}".into(),
+            headers: None,
+            created_at: String::new(),
+            attempt: 1,
+        }
+    }
+
+    #[test]
+    fn a_split_request_holds_back_the_second_half_of_a_failed_key() {
+        let events: Vec<Event> = ["a", "bad", "b", "bad"].map(event).to_vec();
+        let refs: Vec<&Event> = events.iter().collect();
+        let sent = std::cell::RefCell::new(Vec::new());
+        let outcome = split(&refs, |part| {
+            sent.borrow_mut().push(part.len());
+            Outcome::Events(
+                part.iter()
+                    .map(|e| match e.aggregate_id.as_str() {
+                        "bad" => Verdict::Retry {
+                            error: "500".into(),
+                            retry_after: None,
+                        },
+                        _ => Verdict::Delivered,
+                    })
+                    .collect(),
+            )
+        });
+        assert_eq!(
+            *sent.borrow(),
+            vec![2, 1],
+            "the second bad event was not sent"
+        );
+        let Outcome::Events(v) = outcome else {
+            panic!("expected verdicts")
+        };
+        assert_eq!(
+            (v[0].clone(), v[2].clone()),
+            (Verdict::Delivered, Verdict::Delivered)
+        );
+        assert!(matches!(&v[1], Verdict::Retry { error, .. } if error == "500"));
+        assert_eq!(v[3], held_back());
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! way: `webhook-signature: v1,base64(HMAC-SHA256(key, "{id}.{timestamp}.{body}"))`.
 
 use super::http::{self, judge_failure};
-use super::{held_back, push_json_str, Config, Event, Outcome, Tally, Verdict};
+use super::{held_back, push_json_str, split, Config, Event, Outcome, Tally, Verdict};
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -81,6 +81,9 @@ fn post(
         },
         Ok(reply) if (200..300).contains(&reply.status) => {
             Outcome::all(events.len(), Verdict::Delivered)
+        }
+        Ok(reply) if reply.status == 413 && events.len() > 1 => {
+            split(events, |half| post(agent, config, signer, half))
         }
         Ok(reply) => judge_failure(&reply, "webhook", events.len()),
     }
