@@ -1,7 +1,7 @@
 //! HTTP webhook sink. A request carries one event (format "single") or the batch as a JSON
-//! array ("batch"). Every request names its first event in `webhook-id` and `Idempotency-Key`
-//! (stable across retries of that event) and, with a secret, is signed the Standard Webhooks
-//! way: `webhook-signature: v1,base64(HMAC-SHA256(key, "{id}.{timestamp}.{body}"))`.
+//! array ("batch"). Every request carries `webhook-id` = `Idempotency-Key` (see message_id:
+//! stable across retries of the same events) and, with a secret, is signed the Standard
+//! Webhooks way: `webhook-signature: v1,base64(HMAC-SHA256(key, "{id}.{timestamp}.{body}"))`.
 
 use super::http::{self, judge_failure};
 use super::{held_back, push_json_str, split, Config, Event, Outcome, Tally, Verdict};
@@ -73,7 +73,8 @@ fn post(
     } else {
         batch_json(events)
     };
-    let headers = request_headers(config, signer, &first.id, body.as_bytes(), events.len());
+    let id = message_id(events);
+    let headers = request_headers(config, signer, &id, body.as_bytes(), events.len());
     match http::post(agent, &config.url, &headers, body.as_bytes()) {
         Err(error) => Outcome::SinkDown {
             error: format!("webhook: {error}"),
@@ -86,6 +87,30 @@ fn post(
             split(events, |half| post(agent, config, signer, half))
         }
         Ok(reply) => judge_failure(&reply, "webhook", events.len()),
+    }
+}
+
+/// The request's `webhook-id`: the event's id, or for a batch a digest of its events' ids. It
+/// is the same whenever the same events are sent again, and differs for a batch of other
+/// events, even one that starts with the same event (a receiver that dedups by it would
+/// otherwise drop events that were not in the first request).
+pub fn message_id(events: &[&Event]) -> String {
+    match events {
+        [one] => one.id.clone(),
+        _ => {
+            let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+            for (i, e) in events.iter().enumerate() {
+                if i > 0 {
+                    ctx.update(b",");
+                }
+                ctx.update(e.id.as_bytes());
+            }
+            let hex: String = ctx.finish().as_ref()[..16]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            format!("batch_{hex}")
+        }
     }
 }
 
