@@ -93,6 +93,11 @@ impl Delivery {
     /// One round: settle what finished, reread sinks when due, claim more, write figures.
     pub fn run(&mut self) -> Result<(), String> {
         self.settle_finished();
+        if unsafe { pg_sys::RecoveryInProgress() } {
+            // a standby: its primary's worker delivers; claims cannot write here
+            report_activity("standby: not delivering");
+            return Ok(());
+        }
         if Instant::now() >= self.next_reload {
             self.reload()?;
         }
