@@ -224,7 +224,10 @@ impl Delivery {
 
     fn settle(&mut self, done: Done) {
         let Some(sink) = self.sinks.get_mut(&done.batch.sink) else {
-            // the sink was dropped or disabled meanwhile; its lease runs out by itself
+            // disabled (or dropped) while the batch was out: still record what became of it,
+            // so that it is not sent again when the sink comes back (a dropped sink's
+            // consumer is gone, and the statement fails harmlessly)
+            let _ = deliver::settle(&done.batch, &done.outcome, Duration::ZERO);
             return;
         };
         let pause = match &done.outcome {
