@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import socket
 import ssl
 import subprocess
 import threading
@@ -67,6 +68,14 @@ class _Server:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
+            def setup(self):
+                super().setup()
+                outer.connections.add(self.connection)
+
+            def finish(self):
+                outer.connections.discard(self.connection)
+                super().finish()
+
             def do_POST(self):
                 length = int(self.headers.get("content-length") or 0)
                 request = Request(self.path, {k.lower(): v for k, v in self.headers.items()},
@@ -85,6 +94,7 @@ class _Server:
             def log_message(self, *args):
                 pass
 
+        self.connections: set[socket.socket] = set()   # open keep-alive connections
         self.port = port or free_port()
         self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self.server.daemon_threads = True
@@ -105,8 +115,14 @@ class _Server:
         raise NotImplementedError
 
     def close(self) -> None:
+        """Stops listening and cuts the keep-alive connections too: the peer is gone."""
         self.server.shutdown()
         self.server.server_close()
+        for connection in list(self.connections):
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class Receiver(_Server):

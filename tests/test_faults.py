@@ -1,6 +1,7 @@
 """Delivery under faults, with real processes: the sink down for a while and back; random 500,
 429 and hangs from a fault-injecting proxy in front of a real receiver; kill -9 of the worker in
-the middle of a batch; an immediate shutdown of PostgreSQL mid-stream; a poisoned key. In each
+the middle of a batch; an immediate shutdown of PostgreSQL mid-stream; a poisoned key; a fast
+shutdown with a batch out; a failover to a promoted standby. In each
 case nothing is lost, nothing phantom arrives, per-key order holds at the sink, and duplicates
 stay within the documented window (the batches in flight when the worker died)."""
 
@@ -16,7 +17,7 @@ import psycopg
 import pytest
 
 from conftest import MAJORS
-from pgcluster import Cluster
+from pgcluster import Cluster, as_postgres
 from sinks import FaultProxy, Receiver, check_delivery, wait_for
 
 DB = "faults"
@@ -238,3 +239,48 @@ def test_a_fast_shutdown_settles_the_batch_in_flight(faulty):
         check_delivery(emitted, receiver.accepted_events())   # nothing sent twice
     finally:
         receiver.close()
+
+
+def test_a_standby_does_not_deliver_and_takes_over_when_promoted(faulty):
+    receiver = Receiver()
+    port = receiver.port
+    standby = None
+    try:
+        with connect(faulty) as conn:
+            create_sink(conn, receiver.url, batch_size=10)
+            emitted = emit(conn, keys=3, per_key=2, prefix="fo")
+        wait_for(lambda: len(receiver.accepted_events()) >= 6)
+        standby = Cluster(faulty.major)
+        os.chown(standby.datadir, *_postgres_ids()) if os.geteuid() == 0 else None
+        as_postgres(str(faulty.bindir / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(faulty.port),
+                    "-U", "postgres", "-D", str(standby.datadir), "-R", "-X", "stream", "-c", "fast")
+        with open(standby.datadir / "postgresql.conf", "a") as conf:
+            conf.write(f"port = {standby.port}\nunix_socket_directories = '{standby.datadir}'\n")
+        standby.start()
+        receiver.close()                                        # the sink goes away ...
+        with connect(faulty) as conn:
+            for key, ids in emit(conn, keys=3, per_key=3, prefix="fo").items():
+                emitted[key] += ids                             # ... so these stay pending
+            lsn = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+        with connect(standby) as conn:
+            wait_for(lambda: conn.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn,)).fetchone()[0])
+            assert conn.execute("SELECT count(*) FROM pg_stat_activity "
+                                "WHERE backend_type LIKE 'outbox_ext%%'").fetchone()[0] == 0, "idle on a standby"
+        faulty.stop("immediate")                                # the primary fails
+        as_postgres(str(standby.bindir / "pg_ctl"), "-D", str(standby.datadir), "-w", "promote")
+        receiver = Receiver(port=port)                          # the sink is back
+        wait_for(lambda: len({e["id"] for e in receiver.accepted_events()}) >= 9, timeout=60)
+        time.sleep(0.5)
+        # the promoted standby's worker delivered what the primary could not, once, in order
+        check_delivery({k: ids[2:] for k, ids in emitted.items()}, receiver.accepted_events())
+    finally:
+        if standby:
+            standby.destroy()
+        receiver.close()
+        faulty.start()
+
+
+def _postgres_ids() -> tuple[int, int]:
+    import pwd
+    entry = pwd.getpwnam("postgres")
+    return entry.pw_uid, entry.pw_gid

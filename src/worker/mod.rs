@@ -195,6 +195,9 @@ fn ask(query: &'static str) -> bool {
 
 /// Runs outbox.maintain() in a transaction of its own and logs what it did.
 fn maintain() {
+    if unsafe { pg_sys::RecoveryInProgress() } {
+        return; // a standby: partitions follow the primary's
+    }
     report_activity("outbox.maintain()");
     let actions = deliver::in_transaction(|| {
         Spi::connect_mut(|client| {
