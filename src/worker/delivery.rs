@@ -232,7 +232,10 @@ impl Delivery {
         };
         let pause = match &done.outcome {
             Outcome::SinkDown { retry_after, .. } => {
-                sink.down_streak += 1;
+                // one step per pause, however many batches were out when the sink went down
+                if sink.paused_until.is_none_or(|t| t <= Instant::now()) {
+                    sink.down_streak += 1;
+                }
                 let backoff = Duration::from_millis(500)
                     .saturating_mul(1 << sink.down_streak.min(16).saturating_sub(1))
                     .min(MAX_PAUSE);
