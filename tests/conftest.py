@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 from pgcluster import Cluster
+from sinks import create_sink
 
 MAJORS = os.environ.get("OUTBOX_PG_MAJORS", "15 18").split()
 TEMPLATE = "outbox_template"
@@ -94,14 +95,9 @@ def new_sink(cluster, deliver_db):
     names = []
 
     def make(kind: str, url: str, **options) -> str:
-        name = f"s{next(_counter)}"
-        options = {"backoff_base": "50 ms", "backoff_max": "200 ms", **options}
-        args = "".join(f", {k} => %({k})s" for k in options)
         with cluster.connect(deliver_db) as conn:
-            conn.execute(f"SELECT outbox.create_sink(%(name)s, %(kind)s, %(url)s{args})",
-                         {"name": name, "kind": kind, "url": url, **options})
-        names.append(name)
-        return name
+            names.append(create_sink(conn, f"s{next(_counter)}", kind, url, **options))
+        return names[-1]
 
     yield make
     with cluster.connect(deliver_db) as conn:

@@ -93,6 +93,13 @@ class Cluster:
                 autocommit: bool = True) -> psycopg.Connection:
         return psycopg.connect(self.dsn(dbname, user), autocommit=autocommit)
 
+    def worker_pid(self, dbname: str) -> int | None:
+        """The pid of the outbox_ext worker serving dbname, if it runs."""
+        with self.connect() as conn:
+            row = conn.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_ext worker' "
+                               "AND datname = %s", (dbname,)).fetchone()
+        return row and row[0]
+
     def log(self) -> str:
         try:
             return self.log_file.read_text(errors="replace")

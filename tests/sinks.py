@@ -29,6 +29,15 @@ from typing import Callable
 from pgcluster import free_port
 
 
+def create_sink(conn, name: str, kind: str, url: str, **options) -> str:
+    """outbox.create_sink with named options; retries are fast unless the test says otherwise."""
+    options = {"backoff_base": "50 ms", "backoff_max": "200 ms", **options}
+    args = "".join(f", {k} => %({k})s" for k in options)
+    conn.execute(f"SELECT outbox.create_sink(%(name)s, %(kind)s, %(url)s{args})",
+                 {"name": name, "kind": kind, "url": url, **options})
+    return name
+
+
 def wait_for(what, timeout: float = 30.0, every: float = 0.1):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import MAJORS
 from pgcluster import Cluster, as_postgres
-from sinks import FaultProxy, Receiver, check_delivery, wait_for
+from sinks import FaultProxy, Receiver, check_delivery, create_sink, wait_for
 
 DB = "faults"
 _names = itertools.count()
@@ -49,13 +49,8 @@ def _try_connect(cluster):
         return None
 
 
-def create_sink(conn, url: str, **options) -> str:
-    name = f"f{next(_names)}"
-    options = {"backoff_base": "50 ms", "backoff_max": "200 ms", **options}
-    args = "".join(f", {k} => %({k})s" for k in options)
-    conn.execute(f"SELECT outbox.create_sink(%(name)s, 'webhook', %(url)s{args})",
-                 {"name": name, "url": url, **options})
-    return name
+def webhook(conn, url: str, **options) -> str:
+    return create_sink(conn, f"f{next(_names)}", "webhook", url, **options)
 
 
 def emit(conn, keys: int, per_key: int, prefix: str) -> dict[str, list[str]]:
@@ -70,19 +65,12 @@ def emit(conn, keys: int, per_key: int, prefix: str) -> dict[str, list[str]]:
     return emitted
 
 
-def worker_pid(cluster):
-    with cluster.connect() as conn:
-        row = conn.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_ext worker' "
-                           "AND datname = %s", (DB,)).fetchone()
-    return row and row[0]
-
-
 def test_sink_down_for_a_while_and_back(faulty):
     receiver = Receiver()
     port = receiver.port
     receiver.close()                               # the sink is down
     with connect(faulty) as conn:
-        sink = create_sink(conn, f"http://127.0.0.1:{port}", batch_size=20)
+        sink = webhook(conn, f"http://127.0.0.1:{port}", batch_size=20)
         emitted = emit(conn, keys=10, per_key=10, prefix="down")
         error = wait_for(lambda: conn.execute("SELECT last_sink_error FROM outbox.status WHERE consumer = %s",
                                               (sink,)).fetchone()[0])
@@ -105,7 +93,7 @@ def test_random_500_429_and_hangs_from_a_proxy(faulty):
     proxy = FaultProxy(receiver.url, p500=0.15, p429=0.1, p_hang=0.05, hang=2.0)
     try:
         with connect(faulty) as conn:
-            sink = create_sink(conn, proxy.url, batch_size=10, request_timeout="1 s", max_attempts=100)
+            sink = webhook(conn, proxy.url, batch_size=10, request_timeout="1 s", max_attempts=100)
             emitted = emit(conn, keys=20, per_key=15, prefix="rnd")
             wait_for(lambda: len(receiver.accepted_events()) >= 300, timeout=120)
             time.sleep(0.5)
@@ -123,10 +111,10 @@ def test_kill_9_of_the_worker_mid_batch(faulty):
     batch, concurrency = 10, 4
     try:
         with connect(faulty) as conn:
-            create_sink(conn, receiver.url, batch_size=batch, concurrency=concurrency)
+            webhook(conn, receiver.url, batch_size=batch, concurrency=concurrency)
             emitted = emit(conn, keys=16, per_key=20, prefix="kill")
         wait_for(lambda: len(receiver.accepted_events()) >= 40)
-        pid = worker_pid(faulty)
+        pid = faulty.worker_pid(DB)
         log_start = len(faulty.log())
         os.kill(pid, 9)
         wait_for(lambda: "terminated by signal 9" in faulty.log()[log_start:])
@@ -134,7 +122,7 @@ def test_kill_9_of_the_worker_mid_batch(faulty):
         time.sleep(0.5)
         # at most the batches in flight at the kill arrive twice
         check_delivery(emitted, receiver.accepted_events(), max_duplicates=batch * concurrency)
-        assert worker_pid(faulty) not in (None, pid)
+        assert faulty.worker_pid(DB) not in (None, pid)
     finally:
         receiver.close()
 
@@ -157,7 +145,7 @@ def test_immediate_shutdown_mid_stream(faulty):
             pass                                   # the server went away under us
     try:
         with connect(faulty) as conn:
-            sink = create_sink(conn, receiver.url, batch_size=25)
+            sink = webhook(conn, receiver.url, batch_size=25)
         producer = threading.Thread(target=produce)
         producer.start()
         wait_for(lambda: len(receiver.accepted_events()) >= 50)
@@ -188,7 +176,7 @@ def test_a_poisoned_key_blocks_only_itself(faulty):
                         if any(e["aggregate_id"] == "poison" for e in r.events()) else (200, {}, b""))
     try:
         with connect(faulty) as conn:
-            sink = create_sink(conn, receiver.url, batch_size=50, max_attempts=3,
+            sink = webhook(conn, receiver.url, batch_size=50, max_attempts=3,
                                backoff_base="1 s", backoff_max="1 s")
             shard = conn.execute("SELECT outbox.shard_of('poison')").fetchone()[0]
             # innocent keys of the poisoned key's own shard
@@ -226,7 +214,7 @@ def test_a_fast_shutdown_settles_the_batch_in_flight(faulty):
     receiver = Receiver(lambda r: (time.sleep(1.5), (200, {}, b""))[1])
     try:
         with connect(faulty) as conn:
-            create_sink(conn, receiver.url, batch_size=50, concurrency=1)
+            webhook(conn, receiver.url, batch_size=50, concurrency=1)
             emitted = emit(conn, keys=5, per_key=4, prefix="term")
         wait_for(lambda: receiver.requests or receiver_busy(faulty))
         time.sleep(0.5)                            # the batch is out, its answer 1 s away
@@ -247,7 +235,7 @@ def test_a_standby_does_not_deliver_and_takes_over_when_promoted(faulty):
     standby = None
     try:
         with connect(faulty) as conn:
-            create_sink(conn, receiver.url, batch_size=10)
+            webhook(conn, receiver.url, batch_size=10)
             emitted = emit(conn, keys=3, per_key=2, prefix="fo")
         wait_for(lambda: len(receiver.accepted_events()) >= 6)
         standby = Cluster(faulty.major)

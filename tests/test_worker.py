@@ -14,10 +14,7 @@ from sinks import wait_for
 
 def worker_pid(cluster, db: str = "worker_db"):
     """the worker's pid"""
-    with cluster.connect() as conn:
-        row = conn.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_ext worker' "
-                           "AND datname = %s", (db,)).fetchone()
-    return row and row[0]
+    return cluster.worker_pid(db)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -307,6 +307,7 @@ fn escape_path(s: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_event;
     use super::*;
 
     fn reply(status: u16, body: &str) -> Reply {
@@ -401,20 +402,7 @@ mod tests {
     #[test]
     fn a_key_never_shares_a_request_with_its_own_later_events() {
         let keys = ["a", "b", "a", "c", "a", "b"];
-        let events: Vec<Event> = keys
-            .iter()
-            .map(|k| Event {
-                id: String::new(),
-                topic: None,
-                aggregate_type: String::new(),
-                aggregate_id: k.to_string(),
-                event_type: String::new(),
-                payload: "{}".into(),
-                headers: None,
-                created_at: String::new(),
-                attempt: 1,
-            })
-            .collect();
+        let events: Vec<Event> = keys.iter().map(|k| test_event(k)).collect();
         let refs: Vec<&Event> = events.iter().collect();
         assert_eq!(rounds(&refs), vec![vec![0, 1, 3], vec![2, 5], vec![4]]);
     }
@@ -424,13 +412,10 @@ mod tests {
         let e = Event {
             id: "i1".into(),
             topic: Some("orders".into()),
-            aggregate_type: "order".into(),
-            aggregate_id: "42".into(),
             event_type: "created".into(),
             payload: "{\"n\":1}".into(),
             headers: Some("{\"trace\":\"t1\"}".into()),
-            created_at: String::new(),
-            attempt: 1,
+            ..test_event("42")
         };
         let config = Config {
             name: "k".into(),

@@ -289,6 +289,22 @@ pub fn push_json_str(out: &mut String, s: &str) {
     }
 }
 
+/// An event of key `key` with empty fields, for unit tests.
+#[cfg(test)]
+pub fn test_event(key: &str) -> Event {
+    Event {
+        id: String::new(),
+        topic: None,
+        aggregate_type: String::new(),
+        aggregate_id: key.into(),
+        event_type: String::new(),
+        payload: "{}".into(),
+        headers: None,
+        created_at: String::new(),
+        attempt: 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -300,23 +316,9 @@ mod tests {
         }
     }
 
-    fn event(key: &str) -> Event {
-        Event {
-            id: String::new(),
-            topic: None,
-            aggregate_type: String::new(),
-            aggregate_id: key.into(),
-            event_type: String::new(),
-            payload: "{}".into(),
-            headers: None,
-            created_at: String::new(),
-            attempt: 1,
-        }
-    }
-
     #[test]
     fn a_split_request_holds_back_the_second_half_of_a_failed_key() {
-        let events: Vec<Event> = ["a", "bad", "b", "bad"].map(event).to_vec();
+        let events: Vec<Event> = ["a", "bad", "b", "bad"].map(test_event).to_vec();
         let refs: Vec<&Event> = events.iter().collect();
         let sent = std::cell::RefCell::new(Vec::new());
         let outcome = split(&refs, |part| {

@@ -186,19 +186,18 @@ fn push_event(out: &mut String, e: &Event) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_event;
     use super::*;
 
     fn event(id: &str) -> Event {
         Event {
             id: id.into(),
-            topic: None,
             aggregate_type: "order".into(),
-            aggregate_id: "4\"2".into(),
             event_type: "created".into(),
             payload: "{\"a\": [1, 2]}".into(),
             headers: Some("{\"h\": \"v\"}".into()),
             created_at: "2026-11-29T12:00:00+00:00".into(),
-            attempt: 1,
+            ..test_event("4\"2")
         }
     }
 

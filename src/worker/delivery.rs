@@ -38,6 +38,8 @@ struct Sink {
     down_streak: u32,
     figures: Figures,
     recent: VecDeque<(Instant, usize)>,
+    /// The last figures written said "nothing happening".
+    flushed_idle: bool,
     logged_error: Option<(String, Instant)>,
 }
 
@@ -182,6 +184,7 @@ impl Delivery {
                         down_streak: 0,
                         figures: Figures::default(),
                         recent: VecDeque::new(),
+                        flushed_idle: false,
                         logged_error: None,
                     },
                 );
@@ -285,7 +288,12 @@ impl Delivery {
             let mut f = std::mem::take(&mut sink.figures);
             f.per_second = sink.recent.iter().map(|(_, n)| *n).sum::<usize>() as f64
                 / RATE_WINDOW.as_secs_f64();
-            figures.insert(name.clone(), f);
+            let idle =
+                f.delivered == 0 && f.failed == 0 && f.error.is_none() && f.per_second == 0.0;
+            if !(idle && sink.flushed_idle) {
+                sink.flushed_idle = idle; // an idle sink's row is written once, not every 2 s
+                figures.insert(name.clone(), f);
+            }
         }
         deliver::record_figures(&figures)
     }
