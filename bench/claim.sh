@@ -5,6 +5,8 @@
 #   plain-SQL outbox relay: SELECT ... FOR UPDATE SKIP LOCKED LIMIT n + UPDATE published_at
 #   PgQ 3.5: next_batch + get_batch_events + finish_batch, one consumer (PgQ has one reader
 #            per consumer), ticks every 100 / 1,000 events, and one tick over everything
+#   floor: the least any claim + ack relay can cost here: read a batch through the same index
+#          and write one small row in each of two transactions, with no window, lock or lease
 # Usage: bench/claim.sh [events, default 300000]
 source "$(dirname "$0")/common.sh"
 EVENTS=${1:-300000}
@@ -19,6 +21,7 @@ CREATE TABLE plain_outbox (
     aggregate_type text NOT NULL, aggregate_id text NOT NULL, event_type text NOT NULL,
     payload jsonb, created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz);
 CREATE INDEX plain_outbox_unpublished ON plain_outbox (created_at) WHERE published_at IS NULL;
+CREATE TABLE floor_log (shard int, step int);
 -- PgQ ticks in their own transactions, every `every` events (NULL: one tick at the end).
 CREATE PROCEDURE fill_pgq(n int, every int) LANGUAGE plpgsql AS $$
 BEGIN
@@ -40,6 +43,14 @@ WITH batch AS (SELECT id FROM plain_outbox WHERE published_at IS NULL
      done AS (UPDATE plain_outbox o SET published_at = now() FROM batch WHERE o.id = batch.id
               RETURNING length(o.payload::text) AS bytes)
 SELECT count(*), sum(bytes) FROM done;
+SQL
+cat > "$WORK/floor.sql" <<'SQL'
+\set s random(0, 15)
+\set from random(:lo, :hi)
+SELECT count(*), sum(length(payload::text))
+  FROM (SELECT payload FROM outbox.events WHERE shard = :s AND seq > :from ORDER BY seq LIMIT :batch) AS b;
+INSERT INTO floor_log VALUES (:s, 1);
+INSERT INTO floor_log VALUES (:s, 2);
 SQL
 cat > "$WORK/pgq.sql" <<'SQL'
 SELECT coalesce(pgq.next_batch('bench', 'reader'), -1) AS batch_id \gset
@@ -85,11 +96,26 @@ drain() {
     awk -v n="$EVENTS" -v a="$start" -v b="$end" 'BEGIN{printf "%.0f", n/(b-a)}'
 }
 
+# floor CLIENTS BATCH -> events/s: as many steps as a drain takes, over the events outbox_ext
+# just drained (rows stay; the floor reads them from random places of the seq range)
+floor() {
+    local clients=$1 batch=$2 lo hi start end
+    lo=$(sql_value "SELECT min(seq) FROM outbox.events"); hi=$(sql_value "SELECT max(seq) - 20 * $batch FROM outbox.events")
+    start=$(now_s)
+    "$BIN/pgbench" -n -M prepared -h 127.0.0.1 -p "$PORT" -U postgres -c "$clients" -j "$clients" \
+        -t $(( EVENTS / batch / clients )) -D batch="$batch" -D lo="$lo" -D hi="$hi" -f "$WORK/floor.sql" bench \
+        >/dev/null 2>"$WORK/err" || { cat "$WORK/err"; exit 1; }
+    end=$(now_s)
+    awk -v n="$EVENTS" -v a="$start" -v b="$end" 'BEGIN{printf "%.0f", n/(b-a)}'
+}
+
 declare -A rate
 for batch in 100 1000; do
     for clients in 1 2; do
         fill outbox; rate[outbox_${batch}_$clients]=$(drain outbox outbox "$clients" "$batch")
         log "outbox_ext batch $batch, $clients relay(s): ${rate[outbox_${batch}_$clients]} events/s"
+        rate[floor_${batch}_$clients]=$(floor "$clients" "$batch")
+        log "floor batch $batch, $clients relay(s): ${rate[floor_${batch}_$clients]} events/s"
         fill plain; rate[plain_${batch}_$clients]=$(drain plain plain "$clients" "$batch")
         log "plain-SQL relay batch $batch, $clients relay(s): ${rate[plain_${batch}_$clients]} events/s"
     done
@@ -104,12 +130,13 @@ log "PgQ one batch of everything: ${rate[pgq_all]} events/s"
 echo
 echo "Drain benchmark: $EVENTS events, PostgreSQL 15, $(nproc) cores, no network"
 echo
-echo "| batch | relays | outbox_ext events/s | plain-SQL relay | vs plain (target >= 4x) | PgQ, same batch | vs PgQ (target >= 0.7x) |"
-echo "| --- | --- | --- | --- | --- | --- | --- |"
+echo "| batch | relays | outbox_ext events/s | plain-SQL relay | vs plain (target >= 4x) | PgQ, same batch | vs PgQ (target >= 0.7x) | floor | floor vs plain |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 for batch in 100 1000; do
     for clients in 1 2; do
         o=${rate[outbox_${batch}_$clients]} p=${rate[plain_${batch}_$clients]} q=${rate[pgq_$batch]}
-        echo "| $batch | $clients | $o | $p | $(ratio "$o" "$p") | $q | $(ratio "$o" "$q") |"
+        f=${rate[floor_${batch}_$clients]}
+        echo "| $batch | $clients | $o | $p | $(ratio "$o" "$p") | $q | $(ratio "$o" "$q") | $f | $(ratio "$f" "$p") |"
     done
 done
 echo
