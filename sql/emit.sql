@@ -60,13 +60,19 @@ BEGIN
             USING ERRCODE = 'array_subscript_error',
                   HINT = 'Pass one payload per aggregate id, in the same order.';
     END IF;
-    ids := outbox._batch_ids(aggregate_type, event_type, headers, topic, aggregate_ids,
-                             (SELECT max(pg_column_size(p)) FROM unnest(payloads) AS p));
-    INSERT INTO outbox.events
-        (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, txid, shard)
-    SELECT u.id, emit_many.topic, emit_many.aggregate_type, u.key, emit_many.event_type,
-           u.payload, emit_many.headers, tx, outbox.shard_of(u.key)
-    FROM unnest(ids, aggregate_ids, payloads) AS u(id, key, payload);
+    -- Natively, as COPY writes (see src/emit/insert.rs); NULL when the table needs a plain
+    -- INSERT (triggers, constraints, no partition for now()).
+    ids := outbox._insert_many(aggregate_type, event_type, headers, topic, aggregate_ids, payloads,
+                               outbox.shard_count());
+    IF ids IS NULL THEN
+        ids := outbox._batch_ids(aggregate_type, event_type, headers, topic, aggregate_ids,
+                                 (SELECT max(pg_column_size(p)) FROM unnest(payloads) AS p));
+        INSERT INTO outbox.events
+            (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, txid, shard)
+        SELECT u.id, emit_many.topic, emit_many.aggregate_type, u.key, emit_many.event_type,
+               u.payload, emit_many.headers, tx, outbox.shard_of(u.key)
+        FROM unnest(ids, aggregate_ids, payloads) AS u(id, key, payload);
+    END IF;
     RETURN QUERY SELECT unnest(ids);
 END
 $$;

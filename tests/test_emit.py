@@ -2,6 +2,7 @@
 hint while writing nothing."""
 
 import json
+import threading
 
 import psycopg
 import pytest
@@ -48,6 +49,94 @@ def test_emit_many_writes_in_array_order(db):
     assert [int(r[2]) for r in rows] == list(range(1000))
     assert all(r[3] == {"h": "v"} and r[4] == "orders" and r[5] for r in rows)
     assert db.execute("SELECT count(DISTINCT txid) FROM outbox.events").fetchone()[0] == 1
+
+
+INSERT_MANY = "SELECT outbox._insert_many('order', 'order.created', NULL, 'orders', %s, %s::jsonb[], 16)"
+
+
+def index_is_whole(db) -> None:
+    """Every event partition's index is sound and holds an entry for every row (amcheck)."""
+    db.execute("CREATE EXTENSION IF NOT EXISTS amcheck")
+    for (index,) in db.execute("""SELECT i.indexrelid::regclass FROM pg_inherits p
+                                    JOIN pg_index i ON i.indrelid = p.inhrelid
+                                   WHERE p.inhparent = 'outbox.events'::regclass""").fetchall():
+        db.execute("SELECT bt_index_check(%s::regclass, heapallindexed => true)", (str(index),))
+
+
+def test_emit_many_writes_natively_what_a_plain_insert_writes(db):
+    keys = [f"k{i % 37}" for i in range(2500)]   # several multi-inserts, keys repeating
+    payloads = [Jsonb({"n": i}) for i in range(2500)]
+    with db.transaction():
+        ids = db.execute(INSERT_MANY, (keys, payloads)).fetchone()[0]
+        assert ids is not None, "the native path was not taken"
+        xid = db.execute("SELECT pg_current_xact_id()").fetchone()[0]
+    db.execute("INSERT INTO outbox.events (id, aggregate_type, aggregate_id, event_type, payload, topic, shard) "
+               "SELECT outbox.uuid_v7(), 'order', 'plain', 'order.created', '{}', 'orders', outbox.shard_of('plain')")
+    rows = db.execute("""SELECT id, aggregate_id, (payload->>'n')::int, topic, txid, shard = outbox.shard_of(aggregate_id),
+                                created_at, tableoid::regclass::text
+                           FROM outbox.events WHERE aggregate_id <> 'plain' ORDER BY seq""").fetchall()
+    assert [r[0] for r in rows] == ids and [r[1] for r in rows] == keys
+    assert [r[2] for r in rows] == list(range(2500))
+    assert all(r[3] == "orders" and r[4] == xid and r[5] for r in rows)
+    plain = db.execute("SELECT tableoid::regclass::text FROM outbox.events WHERE aggregate_id = 'plain'").fetchone()[0]
+    assert {r[7] for r in rows} == {plain}   # the partition a plain INSERT picks
+    index_is_whole(db)
+    db.execute("SET enable_seqscan = off")
+    db.execute("SET enable_bitmapscan = off")
+    by_index = db.execute("SELECT count(*) FROM outbox.events WHERE shard = ANY (ARRAY(SELECT generate_series(0, 15))) "
+                          "AND seq > 0").fetchone()[0]
+    assert by_index == 2501
+
+
+def test_emit_many_leaves_what_it_cannot_do_to_a_plain_insert(db):
+    """A row trigger on the events (which a native write would skip) sends emit_many down its
+    INSERT path: the trigger fires for every event."""
+    db.execute("CREATE TABLE fired (n int)")
+    db.execute("CREATE FUNCTION count_event() RETURNS trigger LANGUAGE plpgsql AS "
+               "$$ BEGIN INSERT INTO public.fired VALUES (1); RETURN NEW; END $$")
+    db.execute("CREATE TRIGGER count_event BEFORE INSERT ON outbox.events FOR EACH ROW EXECUTE FUNCTION count_event()")
+    assert db.execute(INSERT_MANY, (["a", "b"], [Jsonb({}), Jsonb({})])).fetchone()[0] is None
+    assert count_events(db) == 0
+    db.execute("SELECT outbox.emit_many('order', 'order.created', %s, %s::jsonb[])",
+               (["a", "b", "c"], [Jsonb({}), Jsonb({}), None]))
+    assert count_events(db) == 3
+    assert db.execute("SELECT count(*) FROM fired").fetchone()[0] == 3
+
+
+def test_emit_many_routes_as_postgres_does(db):
+    """With no partition for now() events go to the default partition (through the INSERT
+    path: a concurrent ATTACH may be narrowing it); with no default either, emit_many fails as
+    an INSERT does and writes nothing."""
+    today = db.execute("SELECT partition::text FROM outbox.partitions WHERE parent = 'outbox.events'::regclass "
+                       "AND lower <= now() AND now() < upper").fetchone()[0]
+    db.execute(f"ALTER TABLE outbox.events DETACH PARTITION {today}")
+    assert db.execute(INSERT_MANY, (["1"], [Jsonb({})])).fetchone()[0] is None
+    db.execute("SELECT outbox.emit_many('order', 'e', ARRAY['1', '2'], ARRAY['{}', '{}']::jsonb[])")
+    assert db.execute("SELECT array_agg(DISTINCT tableoid::regclass::text) FROM outbox.events").fetchone()[0] == \
+        ["outbox.events_default"]
+    index_is_whole(db)
+    db.execute("ALTER TABLE outbox.events DETACH PARTITION outbox.events_default")
+    with pytest.raises(psycopg.errors.CheckViolation):
+        db.execute("SELECT outbox.emit_many('order', 'e', ARRAY['3'], ARRAY['{}']::jsonb[])")
+    assert count_events(db) == 0
+
+
+def test_ids_are_unique_across_backends_emitting_at_once(connect, db):
+    """Ids take their random bits from a per-process generator: backends forked from one
+    postmaster must not share its state."""
+    writers = [connect() for _ in range(4)]
+    keys, payloads = [str(i) for i in range(2000)], [Jsonb({})] * 2000
+
+    def write(conn):
+        for _ in range(5):
+            conn.execute("SELECT count(*) FROM outbox.emit_many('a', 'e', %s, %s::jsonb[])", (keys, payloads))
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert db.execute("SELECT count(*), count(DISTINCT id) FROM outbox.events").fetchone() == (40000, 40000)
 
 
 def test_shards_are_stable_and_spread(db):

@@ -24,6 +24,8 @@ def test_producer_can_emit(connect, db):
     "SELECT * FROM outbox.partition_config",
     "SELECT * FROM inbox.messages",
     "SELECT outbox._event_id('a', '1', 'e', 1, NULL, NULL)",
+    # writes without the executor's permission checks: only emit_many (its owner) may call it
+    "SELECT outbox._insert_many('a', 'e', NULL, NULL, ARRAY['1'], ARRAY['{}'::jsonb], 16)",
 ])
 def test_producer_cannot_read_or_touch_events_or_internals(connect, db, sql):
     db.execute("SELECT outbox.emit('a', '1', 'e', '{\"secret\": 1}')")
