@@ -7,7 +7,7 @@
 //! partition but the default one for now()): `outbox.emit_many` then takes its plain INSERT,
 //! which does all that.
 
-use super::{check_headers, check_payload_size, check_topic, required, uuid_v7};
+use super::{check_batch_fields, check_payload_size, required, uuid_v7};
 use crate::errors::OrRaise;
 use crate::gucs;
 use pgrx::pg_sys;
@@ -56,14 +56,7 @@ fn insert_many(
     payloads: AnyArray,
     shard_count: i32,
 ) -> Option<Vec<Uuid>> {
-    let aggregate_type = checked("aggregate_type", aggregate_type);
-    let event_type = checked("event_type", event_type);
-    if let Some(JsonB(headers)) = &headers {
-        check_headers(headers).or_raise();
-    }
-    if let Some(topic) = topic {
-        check_topic(topic).or_raise();
-    }
+    check_batch_fields(aggregate_type, event_type, headers.as_ref(), topic);
     // SAFETY: both arrays are arguments of this call, alive until it returns.
     let (keys, payloads) = unsafe {
         if payloads.oid() != pg_sys::JSONBARRAYOID {
@@ -96,8 +89,8 @@ fn insert_many(
     let ids: Vec<Uuid> = (0..keys.len()).map(|_| uuid_v7()).collect();
     let fixed = Fixed {
         topic: topic.map(text_datum),
-        aggregate_type: text_datum(aggregate_type),
-        event_type: text_datum(event_type),
+        aggregate_type: text_datum(aggregate_type.unwrap_or_default()), // checked: not NULL
+        event_type: text_datum(event_type.unwrap_or_default()),
         headers: headers.and_then(|h| h.into_datum()),
     };
     // SAFETY: the table and sequence are opened, used and closed within this call.
@@ -107,11 +100,6 @@ fn insert_many(
         target.close();
     }
     Some(ids)
-}
-
-fn checked<'a>(name: &'static str, value: Option<&'a str>) -> &'a str {
-    required(name, value).or_raise();
-    value.unwrap_or_default()
 }
 
 fn text_datum(s: &str) -> pg_sys::Datum {

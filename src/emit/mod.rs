@@ -67,14 +67,7 @@ fn batch_ids(
     aggregate_ids: Array<&str>,
     largest_payload_bytes: Option<i32>,
 ) -> Vec<Uuid> {
-    required("aggregate_type", aggregate_type).or_raise();
-    required("event_type", event_type).or_raise();
-    if let Some(JsonB(headers)) = &headers {
-        check_headers(headers).or_raise();
-    }
-    if let Some(topic) = topic {
-        check_topic(topic).or_raise();
-    }
+    check_batch_fields(aggregate_type, event_type, headers.as_ref(), topic);
     check_payload_size(
         largest_payload_bytes.map(i64::from),
         gucs::max_payload_bytes(),
@@ -88,6 +81,23 @@ fn batch_ids(
             uuid_v7()
         })
         .collect()
+}
+
+/// The fields an `emit_many` batch shares; raises the first that is wrong.
+fn check_batch_fields(
+    aggregate_type: Option<&str>,
+    event_type: Option<&str>,
+    headers: Option<&JsonB>,
+    topic: Option<&str>,
+) {
+    required("aggregate_type", aggregate_type).or_raise();
+    required("event_type", event_type).or_raise();
+    if let Some(JsonB(headers)) = headers {
+        check_headers(headers).or_raise();
+    }
+    if let Some(topic) = topic {
+        check_topic(topic).or_raise();
+    }
 }
 
 pub fn required(name: &'static str, value: Option<&str>) -> Result<(), OutboxError> {
