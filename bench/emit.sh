@@ -6,6 +6,8 @@
 #           - outbox.emit
 #   bulk:   1,000 events in one statement, from the same input arrays, written by
 #           - a plain heap INSERT into a table with no index (the physical floor)
+#           - a plain INSERT ... SELECT into a table of the events' shape (columns, defaults,
+#             the one (shard, seq, txid) index readers need), no partitions, no checks
 #           - the plain-SQL outbox INSERT ... SELECT
 #           - pgq.insert_event, once per event (PgQ 3.5, Debian's postgresql-15-pgq3)
 #           - outbox.emit_many
@@ -41,6 +43,9 @@ CREATE TABLE plain_outbox (
 CREATE INDEX plain_outbox_unpublished ON plain_outbox (created_at) WHERE published_at IS NULL;
 -- The floor: the same columns, no index, no defaults to compute.
 CREATE TABLE heap_floor (aggregate_type text, aggregate_id text, event_type text, payload jsonb);
+-- What any SQL INSERT of an event row costs: the events' columns, defaults and index.
+CREATE TABLE events_shape (LIKE outbox.events INCLUDING DEFAULTS);
+CREATE INDEX ON events_shape (shard, seq, txid);
 SQL
 
 cat > "$WORK/single_business.sql" <<'SQL'
@@ -68,10 +73,11 @@ INPUT="WITH input AS (SELECT array_agg(i::text) AS keys, array_agg(jsonb_build_o
 echo "$INPUT INSERT INTO heap_floor SELECT 'order', k, 'order.created', p FROM input, unnest(keys, payloads) AS u(k, p);" > "$WORK/bulk_floor.sql"
 echo "$INPUT INSERT INTO plain_outbox (aggregate_type, aggregate_id, event_type, payload) SELECT 'order', k, 'order.created', p FROM input, unnest(keys, payloads) AS u(k, p);" > "$WORK/bulk_plain.sql"
 echo "$INPUT SELECT count(pgq.insert_event('bench', 'order.created', p::text, k, NULL, NULL, NULL)) FROM input, unnest(keys, payloads) AS u(k, p);" > "$WORK/bulk_pgq.sql"
+echo "$INPUT INSERT INTO events_shape (id, aggregate_type, aggregate_id, event_type, payload, shard) SELECT outbox.uuid_v7(), 'order', k, 'order.created', p, outbox.shard_of(k) FROM input, unnest(keys, payloads) AS u(k, p);" > "$WORK/bulk_shape.sql"
 echo "$INPUT SELECT count(*) FROM input, outbox.emit_many('order', 'order.created', keys, payloads);" > "$WORK/bulk_emit.sql"
 
 reset_tables() {
-    sql -c "TRUNCATE business, plain_outbox, heap_floor, outbox.events" \
+    sql -c "TRUNCATE business, plain_outbox, heap_floor, events_shape, outbox.events" \
         -c "SELECT pgq.maint_rotate_tables_step1('bench'); SELECT pgq.maint_rotate_tables_step2();" >/dev/null
     sql -c "TRUNCATE pgq.event_1, pgq.event_1_0, pgq.event_1_1, pgq.event_1_2" 2>/dev/null || true
     sql -c "VACUUM ANALYZE" -c "CHECKPOINT"
@@ -87,7 +93,7 @@ run() {
 
 declare -A best
 for round in $(seq "$ROUNDS"); do
-    for name in single_business single_plain single_emit bulk_floor bulk_plain bulk_pgq bulk_emit; do
+    for name in single_business single_plain single_emit bulk_floor bulk_shape bulk_plain bulk_pgq bulk_emit; do
         clients=4; [[ $name == bulk_* ]] && clients=2
         tps=$(run "$name" "$clients")
         log "round $round: $name ($clients clients) $tps tps"
@@ -110,9 +116,10 @@ echo "| + outbox.emit | ${best[single_emit]} | $(ratio "${best[single_emit]}" "$
 echo
 echo "| 1,000 events in one statement (2 clients) | events/s | vs heap floor | vs pgq.insert_event |"
 echo "| --- | --- | --- | --- |"
-for name in bulk_floor bulk_plain bulk_pgq bulk_emit; do
+for name in bulk_floor bulk_shape bulk_plain bulk_pgq bulk_emit; do
     label=${name#bulk_}
     case $label in floor) label="plain heap INSERT, no index (floor)";; plain) label="plain-SQL outbox INSERT ... SELECT";;
+        shape) label="plain INSERT ... SELECT of the events' shape (columns, defaults, index)";;
         pgq) label="pgq.insert_event per event";; emit) label="outbox.emit_many";; esac
     echo "| $label | $(per_s "${best[$name]}") | $(ratio "${best[$name]}" "${best[bulk_floor]}") | $(ratio "${best[$name]}" "${best[bulk_pgq]}") |"
 done
