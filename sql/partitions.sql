@@ -145,6 +145,8 @@ DECLARE
     lo_at   timestamptz;
     n       bigint;
     why     text;
+    part    text;
+    old_timeout text;
 BEGIN
     IF pg_is_in_recovery() THEN
         RETURN;  -- a replica follows its primary's maintenance
@@ -153,8 +155,48 @@ BEGIN
         RETURN QUERY SELECT 'skipped', NULL::text, 'another outbox.maintain() is running';
         RETURN;
     END IF;
+    -- 1. Partitions past retention first: drop or detach, never with undelivered events. A drop
+    --    needs the parent's ACCESS EXCLUSIVE lock; waited for after creating a partition (which
+    --    locks the default partition) it could deadlock with a reader that holds the parent and
+    --    goes on to the default partition. Each waits at most a second: a long reader must not
+    --    queue every emit behind the drop; the next run tries again.
+    old_timeout := current_setting('lock_timeout');
+    PERFORM set_config('lock_timeout', '1s', true);
     FOR cfg IN SELECT * FROM outbox.partition_config LOOP
-        -- 1. rows that landed in the default partition: report them, move them into partitions
+        FOR p IN SELECT * FROM outbox.partitions x
+                  WHERE x.parent = cfg.parent AND NOT x.is_default AND x.upper <= now() - cfg.retention
+                  ORDER BY x.lower LOOP
+            part := p.partition::text;  -- named while it exists
+            BEGIN
+                IF cfg.parent = 'outbox.events'::regclass THEN
+                    why := outbox._partition_pending(p.partition, p.upper);
+                    IF why IS NOT NULL THEN
+                        RETURN QUERY SELECT 'kept', part, 'past retention, but ' || why;
+                        CONTINUE;
+                    END IF;
+                END IF;
+                -- Partitions made by CREATE EXTENSION belong to the extension, which would refuse
+                -- to let them go (and would drop a detached one with itself): release them first.
+                IF EXISTS (SELECT FROM pg_depend d
+                            WHERE d.classid = 'pg_class'::regclass AND d.objid = p.partition
+                              AND d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e') THEN
+                    EXECUTE format('ALTER EXTENSION outbox_ext DROP TABLE %s', part);
+                END IF;
+                IF cfg.detach THEN
+                    EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', cfg.parent, part);
+                    RETURN QUERY SELECT 'detached', part, NULL::text;
+                ELSE
+                    EXECUTE format('DROP TABLE %s', part);
+                    RETURN QUERY SELECT 'dropped', part, NULL::text;
+                END IF;
+            EXCEPTION WHEN lock_not_available THEN
+                RETURN QUERY SELECT 'kept', part, 'past retention, but in use (lock timeout): next run';
+            END;
+        END LOOP;
+    END LOOP;
+    PERFORM set_config('lock_timeout', old_timeout, true);
+    FOR cfg IN SELECT * FROM outbox.partition_config LOOP
+        -- 2. rows that landed in the default partition: report them, move them into partitions
         --    (inbox ids that are not UUIDv7 carry no time: they stay, and age out by received_at)
         FOR lo_at IN EXECUTE format(
                 'SELECT DISTINCT outbox._floor_time(%s, %L) FROM %s %s',
@@ -170,38 +212,12 @@ BEGIN
                 RETURN QUERY SELECT 'moved', created::text, 'rows from the default partition';
             END IF;
         END LOOP;
-        -- 2. partitions ahead
+        -- 3. partitions ahead
         lo_at := outbox._floor_time(now(), cfg.width);
         FOR i IN 0 .. cfg.ahead LOOP
             created := outbox._create_partition(cfg.parent, lo_at + cfg.width * i, cfg.width);
             IF created IS NOT NULL THEN
                 RETURN QUERY SELECT 'created', created::text, NULL::text;
-            END IF;
-        END LOOP;
-        -- 3. partitions past retention: drop or detach, never with undelivered events
-        FOR p IN SELECT * FROM outbox.partitions x
-                  WHERE x.parent = cfg.parent AND NOT x.is_default AND x.upper <= now() - cfg.retention
-                  ORDER BY x.lower LOOP
-            IF cfg.parent = 'outbox.events'::regclass THEN
-                why := outbox._partition_pending(p.partition, p.upper);
-                IF why IS NOT NULL THEN
-                    RETURN QUERY SELECT 'kept', p.partition::text, 'past retention, but ' || why;
-                    CONTINUE;
-                END IF;
-            END IF;
-            -- Partitions made by CREATE EXTENSION belong to the extension, which would refuse
-            -- to let them go (and would drop a detached one with itself): release them first.
-            IF EXISTS (SELECT FROM pg_depend d
-                        WHERE d.classid = 'pg_class'::regclass AND d.objid = p.partition
-                          AND d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e') THEN
-                EXECUTE format('ALTER EXTENSION outbox_ext DROP TABLE %s', p.partition);
-            END IF;
-            IF cfg.detach THEN
-                EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', cfg.parent, p.partition);
-                RETURN QUERY SELECT 'detached', p.partition::text, NULL::text;
-            ELSE
-                RETURN QUERY SELECT 'dropped', p.partition::text, NULL::text;  -- named while it exists
-                EXECUTE format('DROP TABLE %s', p.partition);
             END IF;
         END LOOP;
     END LOOP;

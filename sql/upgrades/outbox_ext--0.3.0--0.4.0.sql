@@ -4,8 +4,10 @@
 -- of late transactions one transaction at a time, on index entries (it read the heap of the
 -- whole backlog before); the internal claim helpers no longer set search_path on every call
 -- (the SECURITY DEFINER API functions that call them pin it). outbox.emit_many writes through
--- outbox._insert_many (Rust, new), as COPY does, and falls back to its INSERT. Only functions
--- change: events, consumers, cursors, parked keys and dead letters are not touched.
+-- outbox._insert_many (Rust, new), as COPY does, and falls back to its INSERT. outbox.maintain()
+-- drops old partitions before it creates new ones, each drop waiting at most a second for its
+-- lock (a deadlock with readers was possible). Only functions change: events, consumers,
+-- cursors, parked keys and dead letters are not touched.
 --
 -- Rerunnable. Each "-- @include" line stands for that file of sql/, expanded when the
 -- extension is installed (scripts/lib.sh); freeze this file (expand them) when 0.5.0 changes
@@ -28,4 +30,5 @@ AS 'MODULE_PATHNAME', 'insert_many_wrapper';
 
 -- @include emit.sql
 -- @include claim.sql
+-- @include partitions.sql
 -- @include grants.sql
