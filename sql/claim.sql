@@ -338,7 +338,6 @@ $$;
 CREATE OR REPLACE FUNCTION outbox._window(shard int, cur outbox._cursor_log, upto bigint, lim int)
 RETURNS SETOF outbox.events
     LANGUAGE plpgsql STABLE
-   
     SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
