@@ -165,7 +165,9 @@ impl Delivery {
         };
         match self.sinks.get_mut(&name) {
             Some(sink) => {
-                sink.batch_limit = client.config.batch_size;
+                // keep what the last claim learned of event sizes (a reload must not send one
+                // claim of batch_size big events); the next claim adapts to a new batch_size
+                sink.batch_limit = sink.batch_limit.min(client.config.batch_size);
                 sink.client = client;
                 sink.stamp = row.stamp;
                 sink.paused_until = None;
