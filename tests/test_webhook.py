@@ -194,8 +194,10 @@ def test_big_payloads_are_delivered_in_smaller_batches(conn, new_sink, receiver)
     wait_for(lambda: len(receiver.accepted_events()) >= 40, timeout=60)
     assert sorted(e["id"] for e in receiver.accepted_events()) == sorted(ids)
     assert all(e["payload"]["blob"] == big for e in receiver.accepted_events())
-    # after the first claim sees how big they are, claims take about 8 MB of events at a time
-    assert max(len(r.events()) for r in receiver.requests[1:]) <= 10
+    # once a claim has seen how big they are, claims take about 8 MB of events at a time: only
+    # the first claim may be bigger (its request need not arrive first: several are in flight)
+    assert sum(len(r.events()) > 10 for r in receiver.requests) <= 1, \
+        [len(r.events()) for r in receiver.requests]
 
 
 def test_no_transaction_is_open_while_a_request_is_out(conn, new_sink):
