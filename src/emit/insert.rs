@@ -88,9 +88,9 @@ fn insert_many(
     crate::wake::note_emit();
     let ids: Vec<Uuid> = (0..keys.len()).map(|_| uuid_v7()).collect();
     let fixed = Fixed {
-        topic: topic.map(text_datum),
-        aggregate_type: text_datum(aggregate_type.unwrap_or_default()), // checked: not NULL
-        event_type: text_datum(event_type.unwrap_or_default()),
+        topic: topic.into_datum(),
+        aggregate_type: aggregate_type.into_datum()?, // checked: not NULL
+        event_type: event_type.into_datum()?,
         headers: headers.and_then(|h| h.into_datum()),
     };
     // SAFETY: the table and sequence are opened, used and closed within this call.
@@ -100,16 +100,6 @@ fn insert_many(
         target.close();
     }
     Some(ids)
-}
-
-fn text_datum(s: &str) -> pg_sys::Datum {
-    // SAFETY: copies the bytes into a palloc'd text in the current memory context.
-    unsafe {
-        pg_sys::Datum::from(pg_sys::cstring_to_text_with_len(
-            s.as_ptr().cast(),
-            s.len() as i32,
-        ))
-    }
 }
 
 /// The elements of an array argument, as stored (nothing parsed or copied).
@@ -200,14 +190,14 @@ impl Target {
         }
         let parent = pg_sys::table_open(parent_oid, pg_sys::RowExclusiveLock as _);
         let part_oid = match partition_for(parent, pg_sys::GetCurrentTransactionStartTimestamp()) {
-            Some(oid) if plain_insert_ok(parent, false) => oid,
+            Some(oid) if plain_insert_ok(parent) => oid,
             _ => {
                 pg_sys::table_close(parent, pg_sys::NoLock as _);
                 return None;
             }
         };
         let part = pg_sys::table_open(part_oid, pg_sys::RowExclusiveLock as _);
-        if !plain_insert_ok(part, true) {
+        if !(plain_insert_ok(part) && has_event_columns(part)) {
             pg_sys::table_close(part, pg_sys::NoLock as _);
             pg_sys::table_close(parent, pg_sys::NoLock as _);
             return None;
@@ -376,23 +366,20 @@ unsafe fn partition_for(parent: pg_sys::Relation, at: pg_sys::TimestampTz) -> Op
     Some(*(*desc).oids.offset(index as isize))
 }
 
-/// Whether writing rows straight into `rel` does all a plain INSERT would: no triggers or row
-/// security, no CHECK or generated columns; for the partition also the events' columns and
-/// types, in order, with NOT NULL only where rows always have a value.
-unsafe fn plain_insert_ok(rel: pg_sys::Relation, leaf: bool) -> bool {
-    let form = (*rel).rd_rel;
-    if !(*rel).trigdesc.is_null() || (*form).relrowsecurity {
-        return false;
-    }
+/// Whether writing rows straight into `rel` skips nothing a plain INSERT would do: no triggers
+/// or row security, no CHECK constraints or generated columns.
+unsafe fn plain_insert_ok(rel: pg_sys::Relation) -> bool {
+    let constr = (*(*rel).rd_att).constr;
+    (*rel).trigdesc.is_null()
+        && !(*(*rel).rd_rel).relrowsecurity
+        && (constr.is_null() || ((*constr).num_check == 0 && !(*constr).has_generated_stored))
+}
+
+/// Whether `rel` is a heap-like table with the events' columns and types, in order, and NOT
+/// NULL only where rows always have a value.
+unsafe fn has_event_columns(rel: pg_sys::Relation) -> bool {
     let desc = (*rel).rd_att;
-    let constr = (*desc).constr;
-    if !constr.is_null() && ((*constr).num_check > 0 || (*constr).has_generated_stored) {
-        return false;
-    }
-    if !leaf {
-        return true;
-    }
-    if (*form).relkind as u8 != pg_sys::RELKIND_RELATION
+    if (*(*rel).rd_rel).relkind as u8 != pg_sys::RELKIND_RELATION
         || (*rel).rd_tableam.is_null()
         || (*(*rel).rd_tableam).multi_insert.is_none()
         || (*desc).natts as usize != COLUMNS.len()
