@@ -1,6 +1,6 @@
 -- outbox_ext: emit. Writes events in the caller's transaction: they exist if and only if it
--- commits. Validation and ids come from outbox._event_id (Rust); a bad row raises and the
--- statement writes nothing. Rerunnable (upgrade scripts include it).
+-- commits. Validation and ids come from Rust (src/emit); a bad row raises and the statement
+-- writes nothing. Rerunnable (upgrade scripts include it).
 
 COMMENT ON FUNCTION outbox.uuid_v7() IS
     'A new time-ordered UUID (version 7), as emit gives events. Example: SELECT outbox.uuid_v7();';
@@ -13,23 +13,10 @@ CREATE OR REPLACE FUNCTION outbox.emit(
     headers        jsonb DEFAULT NULL,
     topic          text  DEFAULT NULL
 ) RETURNS uuid
-    LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
-    SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    new_id uuid := outbox._event_id(aggregate_type, aggregate_id, event_type,
-                                    pg_column_size(payload), headers, topic);
-    -- The xid first, then the seq (the column default, evaluated by the INSERT): see events.seq.
-    tx xid8 := pg_current_xact_id();
-BEGIN
-    INSERT INTO outbox.events
-        (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, txid, shard)
-    VALUES
-        (new_id, topic, aggregate_type, aggregate_id, event_type, payload, headers, tx,
-         outbox.shard_of(aggregate_id));
-    RETURN new_id;
-END
-$$;
+    LANGUAGE c VOLATILE PARALLEL UNSAFE
+    -- Native (src/emit/single.rs), and not SECURITY DEFINER: it writes as its owner itself,
+    -- without the GUC save and restore a pinned search_path costs, and looks up no names.
+AS 'MODULE_PATHNAME', 'outbox_emit';
 COMMENT ON FUNCTION outbox.emit(text, text, text, jsonb, jsonb, text) IS
     'Writes one event in the caller''s transaction and returns its id. '
     'Example: SELECT outbox.emit(''order'', ''42'', ''order.created'', ''{"total": 10}'');';
@@ -62,8 +49,7 @@ BEGIN
     END IF;
     -- Natively, as COPY writes (see src/emit/insert.rs); NULL when the table needs a plain
     -- INSERT (triggers, constraints, no partition for now()).
-    ids := outbox._insert_many(aggregate_type, event_type, headers, topic, aggregate_ids, payloads,
-                               outbox.shard_count());
+    ids := outbox._insert_many(aggregate_type, event_type, headers, topic, aggregate_ids, payloads);
     IF ids IS NULL THEN
         ids := outbox._batch_ids(aggregate_type, event_type, headers, topic, aggregate_ids,
                                  (SELECT max(pg_column_size(p)) FROM unnest(payloads) AS p));

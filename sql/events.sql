@@ -9,12 +9,9 @@ CREATE SEQUENCE outbox.event_seq AS bigint CACHE 1;
 COMMENT ON SEQUENCE outbox.event_seq IS
     'Emit order of events. CACHE 1 on purpose: a per-session cache would break emit order across sessions.';
 
--- The shard count is fixed: changing it would move keys between shards and break per-key order.
--- Both functions are STRICT and IMMUTABLE so that the planner inlines shard_of (and the
--- count) into emit's INSERT; a call that is not inlined is re-planned on every execution.
-CREATE FUNCTION outbox.shard_count() RETURNS int
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    RETURN 16;
+-- The shard count is fixed (outbox.shard_count(), from Rust, where native emit reads it).
+-- shard_of is STRICT and IMMUTABLE so that the planner inlines it, count folded in, into emit's
+-- INSERT; a call that is not inlined is re-planned on every execution.
 COMMENT ON FUNCTION outbox.shard_count() IS 'Number of shards events are spread over (fixed).';
 
 CREATE FUNCTION outbox.shard_of(aggregate_id text) RETURNS int

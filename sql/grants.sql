@@ -2,7 +2,8 @@
 -- scripts include it).
 --
 -- Nothing is granted to PUBLIC. Producers reach the event log only through the SECURITY
--- DEFINER emit functions (which pin search_path); they cannot read events or configuration.
+-- DEFINER emit_many (which pins search_path) and the native emit (which writes as its owner);
+-- they cannot read events or configuration.
 -- outbox.sinks holds secrets: only outbox_admin (and superusers, like the worker) can read it;
 -- relays see a sink's health through outbox.status, which shows no URL or secret.
 

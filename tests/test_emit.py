@@ -51,7 +51,29 @@ def test_emit_many_writes_in_array_order(db):
     assert db.execute("SELECT count(DISTINCT txid) FROM outbox.events").fetchone()[0] == 1
 
 
-INSERT_MANY = "SELECT outbox._insert_many('order', 'order.created', NULL, 'orders', %s, %s::jsonb[], 16)"
+INSERT_MANY = "SELECT outbox._insert_many('order', 'order.created', NULL, 'orders', %s, %s::jsonb[])"
+
+
+def emit_each(db, keys, payloads) -> list:
+    """One outbox.emit per event."""
+    return [db.execute("SELECT outbox.emit('order', %s, 'order.created', %s, NULL, 'orders')", (k, p)).fetchone()[0]
+            for k, p in zip(keys, payloads)]
+
+
+def emit_batch(db, keys, payloads) -> list:
+    """One outbox.emit_many for all."""
+    return [r[0] for r in db.execute("SELECT outbox.emit_many('order', 'order.created', %s, %s::jsonb[], NULL, 'orders')",
+                                     (keys, payloads)).fetchall()]
+
+
+WRITERS = [pytest.param(emit_each, id="emit"), pytest.param(emit_batch, id="emit_many")]
+
+
+def sql_path_calls(db) -> int:
+    """Calls of emit_many's INSERT path (outbox._batch_ids) in this transaction; needs
+    track_functions = 'all'."""
+    return db.execute("SELECT coalesce(sum(calls), 0) FROM pg_stat_xact_user_functions "
+                      "WHERE schemaname = 'outbox' AND funcname = '_batch_ids'").fetchone()[0]
 
 
 def index_is_whole(db) -> None:
@@ -88,36 +110,60 @@ def test_emit_many_writes_natively_what_a_plain_insert_writes(db):
     assert by_index == 2501
 
 
-def test_emit_many_leaves_what_it_cannot_do_to_a_plain_insert(db):
-    """A row trigger on the events (which a native write would skip) sends emit_many down its
-    INSERT path: the trigger fires for every event."""
-    db.execute("CREATE TABLE fired (n int)")
+def test_emit_writes_natively_what_a_plain_insert_writes(db):
+    keys = [f"k{i % 37}" for i in range(300)]
+    db.execute("SET track_functions = 'all'")
+    with db.transaction():
+        ids = emit_each(db, keys, [Jsonb({"n": i}) for i in range(300)])
+        assert sql_path_calls(db) == 0, "the native path was not taken"
+        xid = db.execute("SELECT pg_current_xact_id()").fetchone()[0]
+    db.execute("INSERT INTO outbox.events (id, aggregate_type, aggregate_id, event_type, payload, topic, shard) "
+               "SELECT outbox.uuid_v7(), 'order', 'plain', 'order.created', '{}', 'orders', outbox.shard_of('plain')")
+    rows = db.execute("""SELECT id, aggregate_id, (payload->>'n')::int, topic, txid, shard = outbox.shard_of(aggregate_id),
+                                tableoid::regclass::text
+                           FROM outbox.events WHERE aggregate_id <> 'plain' ORDER BY seq""").fetchall()
+    assert [r[0] for r in rows] == ids and [r[1] for r in rows] == keys
+    assert [r[2] for r in rows] == list(range(300))
+    assert all(r[3] == "orders" and r[4] == xid and r[5] for r in rows)
+    plain = db.execute("SELECT tableoid::regclass::text FROM outbox.events WHERE aggregate_id = 'plain'").fetchone()[0]
+    assert {r[6] for r in rows} == {plain}   # the partition a plain INSERT picks
+    index_is_whole(db)
+
+
+@pytest.mark.parametrize("write", WRITERS)
+def test_what_a_native_write_cannot_do_is_left_to_a_plain_insert(db, write):
+    """A row trigger on the events (which a native write would skip) sends emit and emit_many
+    down emit_many's INSERT path: the trigger fires for every event."""
+    db.execute("CREATE TABLE fired (id uuid)")
     db.execute("CREATE FUNCTION count_event() RETURNS trigger LANGUAGE plpgsql AS "
-               "$$ BEGIN INSERT INTO public.fired VALUES (1); RETURN NEW; END $$")
+               "$$ BEGIN INSERT INTO public.fired VALUES (NEW.id); RETURN NEW; END $$")
     db.execute("CREATE TRIGGER count_event BEFORE INSERT ON outbox.events FOR EACH ROW EXECUTE FUNCTION count_event()")
     assert db.execute(INSERT_MANY, (["a", "b"], [Jsonb({}), Jsonb({})])).fetchone()[0] is None
     assert count_events(db) == 0
-    db.execute("SELECT outbox.emit_many('order', 'order.created', %s, %s::jsonb[])",
-               (["a", "b", "c"], [Jsonb({}), Jsonb({}), None]))
-    assert count_events(db) == 3
-    assert db.execute("SELECT count(*) FROM fired").fetchone()[0] == 3
+    db.execute("SET track_functions = 'all'")
+    with db.transaction():
+        ids = write(db, ["a", "b", "c"], [Jsonb({}), Jsonb({}), None])
+        assert sql_path_calls(db) > 0
+    assert db.execute("SELECT array_agg(id ORDER BY seq) FROM outbox.events").fetchone()[0] == ids
+    assert sorted(r[0] for r in db.execute("SELECT id FROM fired")) == sorted(ids)
 
 
-def test_emit_many_routes_as_postgres_does(db):
+@pytest.mark.parametrize("write", WRITERS)
+def test_emit_routes_as_postgres_does(db, write):
     """With no partition for now() events go to the default partition (through the INSERT
-    path: a concurrent ATTACH may be narrowing it); with no default either, emit_many fails as
-    an INSERT does and writes nothing."""
+    path: a concurrent ATTACH may be narrowing it); with no default either, emit fails as an
+    INSERT does and writes nothing."""
     today = db.execute("SELECT partition::text FROM outbox.partitions WHERE parent = 'outbox.events'::regclass "
                        "AND lower <= now() AND now() < upper").fetchone()[0]
     db.execute(f"ALTER TABLE outbox.events DETACH PARTITION {today}")
     assert db.execute(INSERT_MANY, (["1"], [Jsonb({})])).fetchone()[0] is None
-    db.execute("SELECT outbox.emit_many('order', 'e', ARRAY['1', '2'], ARRAY['{}', '{}']::jsonb[])")
+    write(db, ["1", "2"], [Jsonb({}), Jsonb({})])
     assert db.execute("SELECT array_agg(DISTINCT tableoid::regclass::text) FROM outbox.events").fetchone()[0] == \
         ["outbox.events_default"]
     index_is_whole(db)
     db.execute("ALTER TABLE outbox.events DETACH PARTITION outbox.events_default")
     with pytest.raises(psycopg.errors.CheckViolation):
-        db.execute("SELECT outbox.emit_many('order', 'e', ARRAY['3'], ARRAY['{}']::jsonb[])")
+        write(db, ["3"], [Jsonb({})])
     assert count_events(db) == 0
 
 
@@ -246,3 +292,4 @@ def test_shard_of_is_inlined_into_emit(db):
     plan = db.execute("EXPLAIN VERBOSE SELECT outbox.shard_of(k) FROM (VALUES ('a'), ('b')) v(k)").fetchall()
     text = "\n".join(r[0] for r in plan)
     assert "hashtextextended" in text and "shard_of" not in text
+    assert "% '16'" in text and "shard_count" not in text   # the count folded in

@@ -23,9 +23,9 @@ def test_producer_can_emit(connect, db):
     "SELECT * FROM outbox.maintain()",
     "SELECT * FROM outbox.partition_config",
     "SELECT * FROM inbox.messages",
-    "SELECT outbox._event_id('a', '1', 'e', 1, NULL, NULL)",
+    "SELECT outbox._batch_ids('a', 'e', NULL, NULL, ARRAY['1'], 1)",
     # writes without the executor's permission checks: only emit_many (its owner) may call it
-    "SELECT outbox._insert_many('a', 'e', NULL, NULL, ARRAY['1'], ARRAY['{}'::jsonb], 16)",
+    "SELECT outbox._insert_many('a', 'e', NULL, NULL, ARRAY['1'], ARRAY['{}'::jsonb])",
 ])
 def test_producer_cannot_read_or_touch_events_or_internals(connect, db, sql):
     db.execute("SELECT outbox.emit('a', '1', 'e', '{\"secret\": 1}')")
@@ -82,6 +82,27 @@ def test_security_definer_functions_pin_search_path(db):
     assert unpinned == []
     assert db.execute("""SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
                           WHERE n.nspname = 'outbox' AND p.prosecdef""").fetchone()[0] >= 2
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["written", "failed"])
+def test_emit_writes_as_its_owner_and_gives_the_user_back(connect, db, fails):
+    """Native emit is not SECURITY DEFINER: it switches to its owner around the write itself.
+    After it returns, or fails inside that switch (a CHECK constraint sends it down emit_many's
+    INSERT, which raises), the producer is the producer again, with no privilege left over."""
+    db.execute("ALTER TABLE outbox.events ADD CONSTRAINT no_bad_keys CHECK (aggregate_id <> 'bad')")
+    producer = connect("producer_user")
+    producer.autocommit = False
+    producer.execute("SAVEPOINT s")
+    if fails:
+        with pytest.raises(psycopg.errors.CheckViolation):
+            producer.execute("SELECT outbox.emit('a', 'bad', 'e', '{}')")
+        producer.execute("ROLLBACK TO SAVEPOINT s")
+    else:
+        producer.execute("SELECT outbox.emit('a', 'good', 'e', '{}')")
+    assert producer.execute("SELECT current_user").fetchone()[0] == "producer_user"
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        producer.execute("SELECT count(*) FROM outbox.events")
+    producer.rollback()
 
 
 def test_a_hostile_search_path_does_not_reach_emit(connect, db):

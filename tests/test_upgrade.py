@@ -11,8 +11,8 @@ import pytest
 
 from relay import Relay
 
-RELEASED = ["0.1.0", "0.2.0", "0.3.0"]   # every version one can upgrade from
-NEW = "0.4.0"
+RELEASED = ["0.1.0", "0.2.0", "0.3.0", "0.4.0"]   # every version one can upgrade from
+NEW = "0.5.0"
 _n = itertools.count()
 
 

@@ -7,7 +7,7 @@
 //! partition but the default one for now()): `outbox.emit_many` then takes its plain INSERT,
 //! which does all that.
 
-use super::{check_batch_fields, check_payload_size, required, uuid_v7};
+use super::{check_batch_fields, check_payload_size, required, uuid_v7, SHARD_COUNT};
 use crate::errors::OrRaise;
 use crate::gucs;
 use pgrx::pg_sys;
@@ -54,7 +54,6 @@ fn insert_many(
     topic: Option<&str>,
     aggregate_ids: Array<&str>,
     payloads: AnyArray,
-    shard_count: i32,
 ) -> Option<Vec<Uuid>> {
     check_batch_fields(aggregate_type, event_type, headers.as_ref(), topic);
     // SAFETY: both arrays are arguments of this call, alive until it returns.
@@ -82,7 +81,7 @@ fn insert_many(
             Some(false) => {}
         }
     }
-    if keys.len() != payloads.len() || shard_count < 1 {
+    if keys.len() != payloads.len() {
         return None; // emit_many checked the lengths; this is only a guard
     }
     crate::wake::note_emit();
@@ -96,7 +95,14 @@ fn insert_many(
     // SAFETY: the table and sequence are opened, used and closed within this call.
     unsafe {
         let target = Target::open()?;
-        target.write(&fixed, &ids, &keys, &payloads, shard_count);
+        // The keys are checked: as many as ids, none NULL.
+        let row = |i| {
+            (
+                keys.get(i).unwrap_or(pg_sys::Datum::from(0)),
+                payloads.get(i),
+            )
+        };
+        target.write(&fixed, &ids, row);
         target.close();
     }
     Some(ids)
@@ -154,15 +160,15 @@ impl Elements {
 }
 
 /// What every row of the batch shares.
-struct Fixed {
-    topic: Option<pg_sys::Datum>,
-    aggregate_type: pg_sys::Datum,
-    event_type: pg_sys::Datum,
-    headers: Option<pg_sys::Datum>,
+pub(super) struct Fixed {
+    pub topic: Option<pg_sys::Datum>,
+    pub aggregate_type: pg_sys::Datum,
+    pub event_type: pg_sys::Datum,
+    pub headers: Option<pg_sys::Datum>,
 }
 
 /// The partition rows go to, opened for inserting, with its indexes.
-struct Target {
+pub(super) struct Target {
     parent: pg_sys::Relation,
     part: pg_sys::Relation,
     seq: pg_sys::Oid,
@@ -173,7 +179,7 @@ struct Target {
 impl Target {
     /// Opens the partition that holds now(), or returns None (nothing locked beyond what a
     /// plain INSERT would lock) when the SQL path must write.
-    unsafe fn open() -> Option<Target> {
+    pub unsafe fn open() -> Option<Target> {
         let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
         let parent_oid = pg_sys::get_relname_relid(c"events".as_ptr(), nsp);
         let seq = pg_sys::get_relname_relid(c"event_seq".as_ptr(), nsp);
@@ -215,14 +221,13 @@ impl Target {
         })
     }
 
-    /// Writes the rows in array order: the seqs are taken in that order, after the xid.
-    unsafe fn write(
+    /// Writes one row per id, in order (the seqs are taken in that order, after the xid);
+    /// `row(i)` gives the i-th row's key (not NULL) and payload.
+    pub unsafe fn write(
         &self,
         fixed: &Fixed,
         ids: &[Uuid],
-        keys: &Elements,
-        payloads: &Elements,
-        shards: i32,
+        row: impl Fn(usize) -> (pg_sys::Datum, Option<pg_sys::Datum>),
     ) {
         let txid = pg_sys::Datum::from(pg_sys::GetTopFullTransactionId().value);
         let created_at = pg_sys::Datum::from(pg_sys::GetCurrentTransactionStartTimestamp());
@@ -236,20 +241,19 @@ impl Target {
         for start in (0..ids.len()).step_by(CHUNK) {
             let n = (ids.len() - start).min(CHUNK);
             for (i, &slot) in slots.iter().take(n).enumerate() {
-                let row = start + i;
-                let key = keys.get(row).unwrap_or(pg_sys::Datum::from(0)); // checked: not NULL
+                let (key, payload) = row(start + i);
                 let values = [
-                    Some(pg_sys::Datum::from(ids[row].as_bytes().as_ptr())),
+                    Some(pg_sys::Datum::from(ids[start + i].as_bytes().as_ptr())),
                     fixed.topic,
                     Some(fixed.aggregate_type),
                     Some(key),
                     Some(fixed.event_type),
-                    payloads.get(row),
+                    payload,
                     fixed.headers,
                     Some(created_at),
                     Some(txid),
                     Some(self.next_seq()),
-                    Some(pg_sys::Datum::from(shard_of(key, shards))),
+                    Some(pg_sys::Datum::from(shard_of(key))),
                 ];
                 pg_sys::ExecClearTuple(slot);
                 for (col, value) in values.into_iter().enumerate() {
@@ -312,7 +316,7 @@ impl Target {
     }
 
     /// Closes what open opened; the locks stay until the transaction ends, as an INSERT's do.
-    unsafe fn close(self) {
+    pub unsafe fn close(self) {
         pg_sys::ExecCloseIndices(self.rri);
         pg_sys::FreeExecutorState(self.estate);
         pg_sys::table_close(self.part, pg_sys::NoLock as _);
@@ -321,7 +325,7 @@ impl Target {
 }
 
 /// outbox.shard_of, as sql/events.sql defines it: hashtextextended(key, 0) modulo the count.
-unsafe fn shard_of(key: pg_sys::Datum, shards: i32) -> i32 {
+unsafe fn shard_of(key: pg_sys::Datum) -> i32 {
     let hash = pg_sys::DirectFunctionCall2Coll(
         Some(hashtextextended),
         pg_sys::DEFAULT_COLLATION_OID,
@@ -329,7 +333,7 @@ unsafe fn shard_of(key: pg_sys::Datum, shards: i32) -> i32 {
         pg_sys::Datum::from(0i64),
     )
     .value() as i64;
-    let n = i64::from(shards);
+    let n = i64::from(SHARD_COUNT);
     (((hash % n) + n) % n) as i32
 }
 

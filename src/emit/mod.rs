@@ -1,7 +1,8 @@
-//! Emit: validation of one event and its time-ordered id. The INSERT itself lives in
-//! `sql/emit.sql` so that it runs as a cached plan in the caller's transaction.
+//! Emit: what an event must be, its time-ordered id and its shard. `outbox.emit` is native
+//! (`single`); `outbox.emit_many` (sql/emit.sql) writes through `insert`, or a plain INSERT.
 
 mod insert;
+mod single;
 
 use crate::errors::{OrRaise, OutboxError};
 use crate::gucs;
@@ -12,13 +13,24 @@ use serde_json::Value;
 extension_sql_file!(
     "../../sql/events.sql",
     name = "events",
-    requires = ["roles"]
+    requires = ["roles", shard_count]
 );
 extension_sql_file!(
     "../../sql/emit.sql",
     name = "emit",
-    requires = ["events", event_id, uuid_v7, insert::insert_many]
+    requires = ["events", batch_ids, uuid_v7, insert::insert_many]
 );
+
+/// Shards events are spread over. Fixed: changing it would move keys between shards and break
+/// per-key order.
+pub const SHARD_COUNT: i32 = 16;
+
+/// `outbox.shard_count()`: SHARD_COUNT, for SQL. IMMUTABLE, so the planner folds it into
+/// `outbox.shard_of` (sql/events.sql) wherever that is inlined.
+#[pg_extern(schema = "outbox", immutable, strict, parallel_safe)]
+fn shard_count() -> i32 {
+    SHARD_COUNT
+}
 
 /// A new version-7 UUID: 48 bits of Unix milliseconds, then a counter and random bits, so ids
 /// sort by creation time and stay unique across backends. The random bits come from a
@@ -30,9 +42,31 @@ fn uuid_v7() -> Uuid {
     Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
 }
 
-/// Checks one event's fields and returns the id to store it under. Called by `outbox.emit` and
-/// `outbox.emit_many` for every row, so a bad row aborts the statement and nothing is written.
-#[pg_extern(schema = "outbox", name = "_event_id", volatile, parallel_safe)]
+/// Checks one event's fields, in argument order; a bad field raises, so nothing is written.
+fn check_event(
+    aggregate_type: Option<&str>,
+    aggregate_id: Option<&str>,
+    event_type: Option<&str>,
+    payload_bytes: Option<i64>,
+    headers: Option<&JsonB>,
+    topic: Option<&str>,
+) {
+    required("aggregate_type", aggregate_type).or_raise();
+    required("aggregate_id", aggregate_id).or_raise();
+    required("event_type", event_type).or_raise();
+    check_payload_size(payload_bytes, gucs::max_payload_bytes()).or_raise();
+    if let Some(JsonB(headers)) = headers {
+        check_headers(headers).or_raise();
+    }
+    if let Some(topic) = topic {
+        check_topic(topic).or_raise();
+    }
+}
+
+/// What `outbox._event_id` was up to 0.4.0: the PL/pgSQL emit of those versions calls it, so
+/// the library keeps the symbol for databases not yet updated (ALTER EXTENSION outbox_ext
+/// UPDATE drops the SQL function); new installs do not declare it.
+#[pg_extern(sql = false)]
 fn event_id(
     aggregate_type: Option<&str>,
     aggregate_id: Option<&str>,
@@ -41,16 +75,15 @@ fn event_id(
     headers: Option<JsonB>,
     topic: Option<&str>,
 ) -> Uuid {
-    required("aggregate_type", aggregate_type).or_raise();
-    required("aggregate_id", aggregate_id).or_raise();
-    required("event_type", event_type).or_raise();
-    check_payload_size(payload_bytes.map(i64::from), gucs::max_payload_bytes()).or_raise();
-    if let Some(JsonB(headers)) = &headers {
-        check_headers(headers).or_raise();
-    }
-    if let Some(topic) = topic {
-        check_topic(topic).or_raise();
-    }
+    let size = payload_bytes.map(i64::from);
+    check_event(
+        aggregate_type,
+        aggregate_id,
+        event_type,
+        size,
+        headers.as_ref(),
+        topic,
+    );
     crate::wake::note_emit();
     uuid_v7()
 }
