@@ -189,8 +189,12 @@ BEGIN
                     EXECUTE format('DROP TABLE %s', part);
                     RETURN QUERY SELECT 'dropped', part, NULL::text;
                 END IF;
-            EXCEPTION WHEN lock_not_available THEN
-                RETURN QUERY SELECT 'kept', part, 'past retention, but in use (lock timeout): next run';
+            EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+                -- A deadlock: a transaction that holds the inbox and waits for the events table
+                -- (inbox.claim, then emit) while this run, having dropped an events partition,
+                -- waits for the inbox. This run gives way; the transaction goes on once it ends.
+                RETURN QUERY SELECT 'kept', part, 'past retention, but in use ('
+                    || CASE SQLSTATE WHEN '40P01' THEN 'deadlock' ELSE 'lock timeout' END || '): next run';
             END;
         END LOOP;
     END LOOP;

@@ -287,6 +287,18 @@ def test_payload_round_trips_unchanged(db):
     assert json.loads(db.execute("SELECT payload::text FROM outbox.events").fetchone()[0]) == payload
 
 
+def test_a_payload_read_from_a_table_is_stored_whole(db):
+    """A jsonb argument read from a table may be a pointer into that table's TOAST data: the
+    event must hold the value itself, also after the source row is gone."""
+    db.execute("CREATE TABLE source (p jsonb)")
+    db.execute("""INSERT INTO source SELECT jsonb_build_object('blob', string_agg(md5(i::text), ''))
+                    FROM generate_series(1, 4000) i""")   # ~128 KB, incompressible: stored out of line
+    want = db.execute("SELECT md5(p::text) FROM source").fetchone()[0]
+    db.execute("SELECT outbox.emit('a', '1', 'e', p) FROM source")
+    db.execute("DROP TABLE source")
+    assert db.execute("SELECT md5(payload::text) FROM outbox.events").fetchone()[0] == want
+
+
 def test_shard_of_is_inlined_into_emit(db):
     """A shard_of that the planner cannot inline is re-planned on every emit (4x slower)."""
     plan = db.execute("EXPLAIN VERBOSE SELECT outbox.shard_of(k) FROM (VALUES ('a'), ('b')) v(k)").fetchall()

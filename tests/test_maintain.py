@@ -21,6 +21,14 @@ def insert_event_at(conn, key: str, at: str) -> None:
                  (key, at, key))
 
 
+def waits_for_a_lock(db, pid: int) -> None:
+    """Returns once backend pid waits for a lock."""
+    deadline = time.monotonic() + 10
+    while db.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0] != "Lock":
+        assert time.monotonic() < deadline, "never waited for a lock"
+        time.sleep(0.02)
+
+
 def partition_of(conn, key: str) -> str:
     return conn.execute("SELECT tableoid::regclass::text FROM outbox.events WHERE aggregate_id = %s", (key,)).fetchone()[0]
 
@@ -121,7 +129,7 @@ def test_a_drop_waits_for_readers_without_deadlocking_them(db, connect):
     other = connect()
     thread = threading.Thread(target=lambda: done.update(actions=maintain(other)))
     thread.start()
-    time.sleep(0.3)                                  # maintain now waits for the parent
+    waits_for_a_lock(db, other.info.backend_pid)     # maintain now waits for the parent
     reader.execute("SELECT count(*) FROM outbox.events_default")  # not blocked, no deadlock
     reader.commit()
     thread.join(10)
@@ -147,6 +155,37 @@ def test_a_drop_gives_up_on_a_long_reader_and_retries(db, connect):
     db.execute("SELECT outbox.emit('order', '1', 'e', '{}')")   # emits were not held up
     reader.commit()
     assert ("dropped", old_part) in [(a, r) for a, r, _ in maintain(db)]
+
+
+def test_a_drop_that_deadlocks_gives_way_to_the_application(db, connect):
+    """An application transaction that claims an inbox message and then emits holds the inbox
+    and waits for the events table, while maintain, having dropped an old events partition,
+    waits for the inbox to drop an old inbox partition. maintain gives way: it keeps that
+    partition for its next run and finishes the rest; the application's transaction commits."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    insert_event_at(db, "old", "-10 days")
+    old_mid = db.execute("SELECT inbox.uuid_at(now() - interval '30 days')").fetchone()[0]
+    db.execute("SELECT inbox.claim(%s, 'c')", (old_mid,))
+    maintain(db)                                   # both old rows now in partitions of their own
+    old_events = partition_of(db, "old")
+    old_inbox = db.execute("SELECT tableoid::regclass::text FROM inbox.messages WHERE message_id = %s",
+                           (old_mid,)).fetchone()[0]
+    Relay(db, "c").drain()
+    app = connect(autocommit=False)
+    app.execute("SELECT inbox.claim(outbox.uuid_v7(), 'c')")      # holds the inbox
+    done: dict = {}
+    other = connect()
+    other.execute("SET deadlock_timeout = '500ms'")  # maintain's check finds the cycle (app's: 1 s)
+    thread = threading.Thread(target=lambda: done.update(actions=maintain(other)))
+    thread.start()
+    waits_for_a_lock(db, other.info.backend_pid)   # dropped the events partition; waits for the inbox
+    app.execute("SELECT outbox.emit('order', '1', 'e', '{}')")    # waits for maintain to end
+    app.commit()
+    thread.join(10)
+    actions = [(a, r, d) for a, r, d in done["actions"]]
+    assert ("dropped", old_events, None) in actions, actions
+    assert ("kept", old_inbox, "past retention, but in use (deadlock): next run") in actions, actions
+    assert ("dropped", old_inbox) in [(a, r) for a, r, _ in maintain(db)]
 
 
 def test_two_maintain_at_once_one_skips(db, connect):

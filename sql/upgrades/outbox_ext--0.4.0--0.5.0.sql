@@ -5,6 +5,7 @@
 -- writing its row the way emit_many already did. Its checks and their errors are unchanged;
 -- outbox._event_id, which did them for the PL/pgSQL emit, goes. outbox.shard_count() now comes
 -- from Rust, where native emit reads the count, and outbox._insert_many no longer takes it.
+-- outbox.maintain() keeps a partition whose drop ends in a deadlock, instead of failing whole.
 -- Only functions change: events, consumers, cursors, parked keys and dead letters are not
 -- touched.
 --
@@ -35,4 +36,5 @@ LANGUAGE c
 AS 'MODULE_PATHNAME', 'insert_many_wrapper';
 
 -- @include emit.sql
+-- @include partitions.sql
 -- @include grants.sql
