@@ -262,14 +262,12 @@ impl Target {
                 }
                 pg_sys::ExecStoreVirtualTuple(slot);
             }
-            multi_insert(
-                self.part,
-                slots.as_ptr().cast_mut(),
-                n as i32,
-                cid,
-                0,
-                null_mut(),
-            );
+            // Through pgrx's guard, as every pg_sys call: an ERROR here must not unwind C-style
+            // over these Rust frames.
+            let (part, batch) = (self.part, slots.as_ptr().cast_mut());
+            pg_sys::ffi::pg_guard_ffi_boundary(|| {
+                multi_insert(part, batch, n as i32, cid, 0, null_mut())
+            });
             for &slot in slots.iter().take(n) {
                 self.insert_index_entries(slot);
             }
@@ -308,7 +306,9 @@ impl Target {
             null_mut(),
             false,
         );
-        pg_sys::list_free(recheck);
+        if !recheck.is_null() {
+            pg_sys::list_free(recheck); // conflicts to recheck: only with deferred unique indexes
+        }
         let econtext = (*self.estate).es_per_tuple_exprcontext;
         if !econtext.is_null() {
             pg_sys::MemoryContextReset((*econtext).ecxt_per_tuple_memory);
