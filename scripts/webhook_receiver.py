@@ -3,12 +3,14 @@ whether its Standard Webhooks signature verifies. Usage: webhook_receiver.py POR
 
 import json
 import sys
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 PORT, SECRET = int(sys.argv[1]), sys.argv[2]
 verifier = Webhook(SECRET)
+printing = threading.Lock()   # requests arrive on several threads: one line at a time
 
 
 class Hook(BaseHTTPRequestHandler):
@@ -22,9 +24,10 @@ class Hook(BaseHTTPRequestHandler):
         except WebhookVerificationError:
             signed = "BAD SIGNATURE"
         data = json.loads(body)
-        for event in data if isinstance(data, list) else [data]:
-            print(f"received {event['event_type']:<14} {event['aggregate_type']} {event['aggregate_id']:<3} "
-                  f"{json.dumps(event['payload'])}  ({signed}, id {event['id']})", flush=True)
+        with printing:
+            for event in data if isinstance(data, list) else [data]:
+                print(f"received {event['event_type']:<14} {event['aggregate_type']} {event['aggregate_id']:<3} "
+                      f"{json.dumps(event['payload'])}  ({signed}, id {event['id']})", flush=True)
         self.send_response(204)
         self.send_header("content-length", "0")
         self.end_headers()
