@@ -200,6 +200,28 @@ def test_big_payloads_are_delivered_in_smaller_batches(conn, new_sink, receiver)
         [len(r.events()) for r in receiver.requests]
 
 
+def test_a_changed_sink_keeps_the_claim_size_learned_from_big_events(conn, new_sink, receiver):
+    """Changing a sink (any UPDATE of its row) gives the worker a new client, not a first claim
+    of batch_size big events in one request."""
+    sink = new_sink("webhook", receiver.url, batch_size=100, concurrency=1)
+    big = "x" * 900_000
+
+    def emit_big(n: int) -> None:   # one key (one shard), one transaction: one claim sees them all
+        with conn.transaction():
+            for _ in range(n):
+                conn.execute("SELECT outbox.emit('order', 'big', 'big', jsonb_build_object('blob', %s::text))",
+                             (big,))
+    emit_big(12)
+    wait_for(lambda: len(receiver.accepted_events()) >= 12, timeout=60)   # learned: ~9 at a time
+    conn.execute("UPDATE outbox.sinks SET http_headers = '{\"x-gen\": \"2\"}', updated_at = now() "
+                 "WHERE name = %s", (sink,))
+    time.sleep(2)                   # the worker rereads changed sinks within a second
+    emit_big(30)
+    wait_for(lambda: len(receiver.accepted_events()) >= 42, timeout=60)
+    after = [len(r.events()) for r in receiver.requests if r.headers.get("x-gen") == "2"]
+    assert after and max(after) <= 10, after
+
+
 def test_no_transaction_is_open_while_a_request_is_out(conn, new_sink):
     in_request = threading.Event()
 
