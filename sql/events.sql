@@ -10,8 +10,8 @@ COMMENT ON SEQUENCE outbox.event_seq IS
     'Emit order of events. CACHE 1 on purpose: a per-session cache would break emit order across sessions.';
 
 -- The shard count is fixed (outbox.shard_count(), from Rust, where native emit reads it).
--- shard_of is STRICT and IMMUTABLE so that the planner inlines it, count folded in, into emit's
--- INSERT; a call that is not inlined is re-planned on every execution.
+-- shard_of is STRICT and IMMUTABLE so that the planner inlines it, count folded in, into
+-- emit_many's INSERT; a call that is not inlined is re-planned on every execution.
 COMMENT ON FUNCTION outbox.shard_count() IS 'Number of shards events are spread over (fixed).';
 
 CREATE FUNCTION outbox.shard_of(aggregate_id text) RETURNS int

@@ -1,11 +1,12 @@
-//! Bulk emit's native path: `outbox._insert_many` writes a whole batch into the partition that
-//! holds now() the way COPY does (one multi-insert per page of rows, then their index
-//! entries), instead of one executor INSERT per row.
+//! The native write of both emits (`Target`): rows go into the partition that holds now() the
+//! way COPY writes them (one multi-insert per page of rows, then their index entries), instead
+//! of one executor INSERT per row. `outbox._insert_many` is bulk emit's entry to it; the native
+//! `outbox.emit` (`single`) writes its one row through it too.
 //!
-//! It writes nothing and returns NULL when the table is not as it expects (a trigger, row
-//! security, a CHECK or NOT NULL constraint it would not enforce, a changed column list, no
-//! partition but the default one for now()): `outbox.emit_many` then takes its plain INSERT,
-//! which does all that.
+//! Nothing is written when the table is not as it expects (a trigger, row security, a CHECK or
+//! NOT NULL constraint it would not enforce, a changed column list, no partition but the
+//! default one for now()): `Target::open` returns None and `outbox.emit_many`'s plain INSERT,
+//! which does all that, writes instead.
 
 use super::{check_batch_fields, check_payload_size, required, uuid_v7, SHARD_COUNT};
 use crate::errors::OrRaise;
