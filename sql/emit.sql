@@ -15,7 +15,7 @@ CREATE OR REPLACE FUNCTION outbox.emit(
 ) RETURNS uuid
     LANGUAGE c VOLATILE PARALLEL UNSAFE
     -- Native (src/emit/single.rs), and not SECURITY DEFINER: it writes as its owner itself,
-    -- without the GUC save and restore a pinned search_path costs, and looks up no names.
+    -- without the GUC save and restore a pinned search_path costs; it names everything by schema.
 AS 'MODULE_PATHNAME', 'outbox_emit';
 COMMENT ON FUNCTION outbox.emit(text, text, text, jsonb, jsonb, text) IS
     'Writes one event in the caller''s transaction and returns its id. '

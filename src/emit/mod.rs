@@ -55,12 +55,7 @@ fn check_event(
     required("aggregate_id", aggregate_id).or_raise();
     required("event_type", event_type).or_raise();
     check_payload_size(payload_bytes, gucs::max_payload_bytes()).or_raise();
-    if let Some(JsonB(headers)) = headers {
-        check_headers(headers).or_raise();
-    }
-    if let Some(topic) = topic {
-        check_topic(topic).or_raise();
-    }
+    check_routing(headers, topic);
 }
 
 /// What `outbox._event_id` was up to 0.4.0: the PL/pgSQL emit of those versions calls it, so
@@ -125,6 +120,11 @@ fn check_batch_fields(
 ) {
     required("aggregate_type", aggregate_type).or_raise();
     required("event_type", event_type).or_raise();
+    check_routing(headers, topic);
+}
+
+/// The optional fields that travel with an event to its sink: headers, then topic.
+fn check_routing(headers: Option<&JsonB>, topic: Option<&str>) {
     if let Some(JsonB(headers)) = headers {
         check_headers(headers).or_raise();
     }

@@ -2,9 +2,11 @@
 //! it costs about what a plain INSERT of the row costs. A C function with no PL/pgSQL frame
 //! and no SECURITY DEFINER (whose `SET search_path` alone costs a GUC save and restore per
 //! call): it checks the event, then writes it as the function's owner, as a SECURITY DEFINER
-//! function would, through bulk emit's native path (`insert::Target`). It looks nothing up by
-//! search_path. When that path declines (a trigger, a constraint, no partition for now()), it
-//! hands the event to `outbox.emit_many`, whose plain INSERT does everything.
+//! function would, through bulk emit's native path (`insert::Target`), which finds its table
+//! and sequence by schema, not by search_path. When that path declines (a trigger, a
+//! constraint, no partition for now()), it hands the event to `outbox.emit_many`, whose plain
+//! INSERT does everything; that one statement names the function by schema, with argument
+//! types that match it exactly, so a caller's search_path cannot redirect it.
 
 use super::insert::{Fixed, Target};
 use super::{check_event, uuid_v7};
