@@ -28,7 +28,8 @@
 -- exponential backoff and jitter; after max_attempts it goes to outbox.dead_letters and the key
 -- moves on. When the queue is empty the key is unparked and flows with its shard again.
 --
--- Internal helpers (outbox._*) do not pin search_path: only the SECURITY DEFINER API functions
+-- Name resolution (sql/grants.sql): the API functions are [pinned], helpers (outbox._*) run
+-- [inside] them and do not pin search_path themselves: only the SECURITY DEFINER API functions
 -- below call them, and those pin it. A SET clause on every helper would cost each call a GUC
 -- save and restore and a new search path lookup, about 5% of a claim.
 --

@@ -4,6 +4,7 @@
 -- partitions, never by UPDATE or DELETE, so a long transaction holding back vacuum cannot
 -- bloat it. Each row carries what a reader needs to read in commit order without gaps:
 -- the writing transaction (txid), the emit order (seq) and the shard of its key.
+-- Name resolution (sql/grants.sql): shard_of is [parsed]; defaults name pg_catalog's functions.
 
 CREATE SEQUENCE outbox.event_seq AS bigint CACHE 1;
 COMMENT ON SEQUENCE outbox.event_seq IS

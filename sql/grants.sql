@@ -1,20 +1,57 @@
 -- outbox_ext: privileges, all in one place. Runs last (finalize); rerunnable (upgrade
--- scripts include it).
+-- scripts include it): it first takes back every privilege our roles and PUBLIC hold on our
+-- objects, then grants exactly what each role needs.
 --
--- Nothing is granted to PUBLIC. Producers reach the event log only through the SECURITY
--- DEFINER emit_many (which pins search_path) and the native emit (which writes as its owner);
--- they cannot read events or configuration.
--- outbox.sinks holds secrets: only outbox_admin (and superusers, like the worker) can read it;
+-- Rules:
+-- - Nothing is granted to PUBLIC.
+-- - No role gets ALL on a table: never TRIGGER, TRUNCATE or REFERENCES, because a trigger or
+--   rule on our tables would run inside the worker and the SECURITY DEFINER functions, as their
+--   owner. (Rules and policies need ownership, which only the extension's owner has.)
+-- - Partitions get no grant at all: rows are reached through their parent, whose privileges
+--   apply; outbox.maintain() strips any grant a new partition would get by default.
+-- - Writes to state go through the SECURITY DEFINER API (which pins search_path and names
+--   every object by schema); a role writes a table directly only where that is its job
+--   (admins: sink and retry settings, partition settings, dead letters; the worker: sink
+--   figures), and then only the columns it may change.
+--
+-- What runs with more privilege than its caller resolves names only in pg_catalog and our
+-- schemas; each SQL file's header says which of these rules covers what it defines:
+-- [pinned]   SECURITY DEFINER functions SET search_path = pg_catalog, pg_temp (functions and
+--            operators are never looked up in pg_temp) and name our objects by schema.
+--            tests/test_roles.py checks that every one of them pins it.
+-- [inside]   Internal helpers (outbox._*, granted to no role) run only inside [pinned]
+--            functions, whose search_path they inherit.
+-- [parsed]   Views and SQL-standard bodies (LANGUAGE sql ... RETURN) are parsed once, by
+--            CREATE EXTENSION or ALTER EXTENSION UPDATE, whose search_path is pg_catalog,
+--            pg_temp (the control file's schema is pg_catalog).
+-- [caller]   Not SECURITY DEFINER (create_sink, drop_sink): runs with the caller's rights;
+--            its search_path is pinned all the same.
+-- [native]   C functions (src/emit, src/sinks/check.rs) look objects up in the catalog by
+--            schema; emit's one SPI statement names outbox.emit_many with exactly typed
+--            arguments.
+-- [worker]   The worker's session has search_path pg_catalog, pg_temp, and its statements
+--            name everything by schema, operators as OPERATOR(pg_catalog.x)
+--            (src/worker/session.rs, deliver.rs, mod.rs).
+-- Dynamic SQL quotes identifiers with %I or a regclass's text and values with %L.
+--
+-- Producers reach the event log only through the SECURITY DEFINER emit_many and the native
+-- emit (which writes as its owner); they cannot read events or configuration. outbox.sinks
+-- holds secrets: only outbox_admin and outbox_worker (which delivers with them) read it;
 -- relays see a sink's health through outbox.status, which shows no URL or secret.
 
-REVOKE ALL ON SCHEMA outbox, inbox FROM PUBLIC;
-REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
-REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;
-REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox FROM PUBLIC;
+REVOKE ALL ON SCHEMA outbox, inbox FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
+REVOKE ALL ON ALL TABLES IN SCHEMA outbox, inbox
+    FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox, inbox
+    FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox, inbox
+    FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
 
 GRANT outbox_producer, outbox_relay TO outbox_admin;
-GRANT USAGE ON SCHEMA outbox, inbox TO outbox_producer, outbox_relay, outbox_admin;
+GRANT outbox_relay TO outbox_worker;
+GRANT USAGE ON SCHEMA outbox, inbox TO outbox_producer, outbox_relay, outbox_admin, outbox_worker;
 
+-- outbox_producer: emit, nothing else
 GRANT EXECUTE ON FUNCTION
     outbox.emit(text, text, text, jsonb, jsonb, text),
     outbox.emit_many(text, text, text[], jsonb[], jsonb, text),
@@ -23,7 +60,8 @@ GRANT EXECUTE ON FUNCTION
     outbox.shard_of(text)
 TO outbox_producer;
 
-GRANT SELECT ON outbox.events TO outbox_relay;
+-- outbox_relay: read the log, claim and settle
+GRANT SELECT ON outbox.events, outbox.status, outbox.shard_status TO outbox_relay;
 GRANT EXECUTE ON FUNCTION
     outbox.claim(text, int, interval, text),
     outbox.ack(text, int, bigint),
@@ -34,20 +72,32 @@ GRANT EXECUTE ON FUNCTION
     outbox.shard_count(),
     outbox.shard_of(text)
 TO outbox_relay;
+
+GRANT EXECUTE ON FUNCTION inbox.claim(uuid, text), inbox.uuid_time(uuid), inbox.uuid_at(timestamptz)
+    TO outbox_producer, outbox_relay;
+
+-- outbox_admin: consumers, sinks, dead letters, maintenance; reads everything
 GRANT EXECUTE ON FUNCTION
     outbox.create_consumer(text, boolean, int, interval, interval),
     outbox.drop_consumer(text),
     outbox.replay(text, text),
     outbox.create_sink(text, text, text, text[], text[], text, int, int, interval, interval, text,
                        jsonb, text, jsonb, text, int, interval, interval, boolean),
-    outbox.drop_sink(text)
+    outbox.drop_sink(text),
+    outbox.maintain()
 TO outbox_admin;
-GRANT ALL ON ALL TABLES IN SCHEMA outbox TO outbox_admin;
-GRANT EXECUTE ON FUNCTION outbox.maintain() TO outbox_admin;
-GRANT SELECT ON outbox.status, outbox.shard_status TO outbox_relay;
+GRANT SELECT ON outbox.events, outbox.consumers, outbox.sinks, outbox._sink_stats,
+    outbox.dead_letters, outbox.partition_config, outbox.partitions, outbox.status,
+    outbox.shard_status, outbox._shards, outbox._cursor_log, outbox._parked,
+    outbox._parked_events, outbox._marks, inbox.messages
+TO outbox_admin;
+GRANT INSERT, UPDATE, DELETE ON outbox.sinks TO outbox_admin;   -- checked by its trigger
+GRANT UPDATE (max_attempts, backoff_base, backoff_max) ON outbox.consumers TO outbox_admin;
+GRANT UPDATE (width, ahead, retention, detach) ON outbox.partition_config TO outbox_admin;
+GRANT DELETE ON outbox.dead_letters, inbox.messages TO outbox_admin;
 
-REVOKE ALL ON ALL TABLES IN SCHEMA inbox FROM PUBLIC;
-REVOKE ALL ON ALL FUNCTIONS IN SCHEMA inbox FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION inbox.claim(uuid, text), inbox.uuid_time(uuid), inbox.uuid_at(timestamptz)
-    TO outbox_producer, outbox_relay;
-GRANT ALL ON ALL TABLES IN SCHEMA inbox TO outbox_admin;
+-- outbox_worker: relays (outbox_relay), delivers with the sinks' settings, records their
+-- figures, runs maintenance. It connects as this role (outbox_ext.worker_role).
+GRANT SELECT ON outbox.sinks TO outbox_worker;
+GRANT SELECT, INSERT, UPDATE ON outbox._sink_stats TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox.maintain() TO outbox_worker;

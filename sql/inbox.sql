@@ -8,6 +8,7 @@
 -- same in the default partition.
 --
 -- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
+-- Name resolution (sql/grants.sql): inbox.claim is [pinned], uuid_at and uuid_time [parsed].
 
 CREATE TABLE IF NOT EXISTS inbox.messages (
     message_id  uuid        NOT NULL,

@@ -7,6 +7,9 @@
 -- Partitions are named <parent>_pYYYYMMDD_HH24MISS after their lower bound in UTC.
 --
 -- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
+-- Name resolution (sql/grants.sql): maintain() is [pinned]; the helpers that run dynamic SQL
+-- (_create_partition, _partition_pending, _revoke_all) pin search_path too, the others are
+-- [parsed]; the view is [parsed].
 
 CREATE TABLE IF NOT EXISTS outbox.partition_config (
     parent    regclass PRIMARY KEY,
@@ -59,6 +62,24 @@ CREATE OR REPLACE FUNCTION outbox._floor_time(at timestamptz, width interval) RE
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN to_timestamp(floor(extract(epoch FROM at) / extract(epoch FROM width)) * extract(epoch FROM width));
 
+-- Take every privilege on rel from every role but its owner. A new partition gets its
+-- owner's default privileges (ALTER DEFAULT PRIVILEGES); partitions need no grant at all
+-- (rows are reached through the parent), and a TRIGGER or TRUNCATE grant on one would let its
+-- holder run code inside the worker and the SECURITY DEFINER functions (see sql/grants.sql).
+CREATE OR REPLACE FUNCTION outbox._revoke_all(rel regclass) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    grantee oid;
+BEGIN
+    FOR grantee IN SELECT DISTINCT a.grantee FROM pg_class c, aclexplode(c.relacl) a
+                    WHERE c.oid = rel AND a.grantee <> c.relowner LOOP
+        EXECUTE format('REVOKE ALL ON TABLE %s FROM %s', rel,
+                       CASE WHEN grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(grantee)) END);
+    END LOOP;
+END
+$$;
+
 -- Create the partition [lo_at, lo_at + width) of parent, clipped to the gap between existing
 -- partitions; rows for that range waiting in the default partition move into it first.
 -- Returns the partition created, or NULL if the range is already covered.
@@ -97,6 +118,7 @@ BEGIN
     END IF;
     EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
                    nsp, rel, nsp, part, outbox._bound(parent, lo_at), outbox._bound(parent, hi_at));
+    PERFORM outbox._revoke_all(format('%I.%I', nsp, part)::regclass);
     RETURN format('%I.%I', nsp, part)::regclass;
 END
 $$;

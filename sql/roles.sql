@@ -1,21 +1,28 @@
--- outbox_ext: schemas and roles. Runs first (bootstrap).
+-- outbox_ext: schemas and roles. Runs first (bootstrap); rerunnable (upgrade scripts include it).
 --
 -- Roles are cluster-wide, so they are created only where missing: CREATE EXTENSION in a
 -- second database, or after DROP EXTENSION, must not fail on them.
 --   outbox_producer  emits events, nothing else (cannot read events or configuration)
 --   outbox_relay     claims, acks and nacks events; reads the event log
---   outbox_admin     everything: sinks, maintenance, dead letters (member of both above)
+--   outbox_admin     sinks, consumers, maintenance, dead letters (member of both above);
+--                    not a superuser's power: no trigger, rule, policy or TRUNCATE on our tables
+--   outbox_worker    what the background worker runs as: relays (member of outbox_relay),
+--                    reads sinks, writes their figures, runs maintenance
 
-CREATE SCHEMA outbox;
-CREATE SCHEMA inbox;
+CREATE SCHEMA IF NOT EXISTS outbox;
+CREATE SCHEMA IF NOT EXISTS inbox;
 
 DO $roles$
 DECLARE
     r text;
 BEGIN
-    FOREACH r IN ARRAY ARRAY['outbox_producer', 'outbox_relay', 'outbox_admin'] LOOP
+    FOREACH r IN ARRAY ARRAY['outbox_producer', 'outbox_relay', 'outbox_admin', 'outbox_worker'] LOOP
         IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r) THEN
             EXECUTE pg_catalog.format('CREATE ROLE %I NOLOGIN', r);
+        ELSIF EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r AND (rolcanlogin OR rolsuper)) THEN
+            -- made by someone else, before us: whoever can log in as it holds its privileges
+            RAISE WARNING 'role "%" already exists and can log in or is a superuser', r
+                USING HINT = pg_catalog.format('outbox_ext expects it NOLOGIN NOSUPERUSER: ALTER ROLE %I NOLOGIN NOSUPERUSER;', r);
         END IF;
     END LOOP;
 END

@@ -4,6 +4,8 @@
 -- every second, so changes apply without a restart.
 --
 -- Rerunnable (upgrade scripts include it): tables only where missing, functions replaced.
+-- Name resolution (sql/grants.sql): the trigger function is [pinned], create_sink and drop_sink
+-- are [caller], outbox._check_sink_settings is [native], _is_string_map is [parsed].
 
 CREATE TABLE IF NOT EXISTS outbox.sinks (
     name            text        PRIMARY KEY REFERENCES outbox.consumers (name)
@@ -78,20 +80,12 @@ BEGIN
         RAISE EXCEPTION 'timeouts must be positive and at most an hour'
             USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. connect_timeout => ''5 s'', request_timeout => ''30 s''.';
     END IF;
-    IF NEW.secret IS NOT NULL AND NEW.secret !~ '^(whsec_)?[A-Za-z0-9+/]{16,}={0,2}$' THEN
-        RAISE EXCEPTION 'the secret is not a Standard Webhooks key'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Give whsec_ and the base64 of 24 to 64 random bytes, e.g. '
-                         '''whsec_'' || encode(sha256(gen_random_uuid()::text::bytea), ''base64'').';
-    END IF;
     IF NOT outbox._is_string_map(NEW.http_headers) OR NOT outbox._is_string_map(NEW.topic_map) THEN
         RAISE EXCEPTION 'http_headers and topic_map must be JSON objects of strings'
             USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. ''{"Authorization": "Bearer t0ken"}''.';
     END IF;
-    IF NEW.tls_ca IS NOT NULL AND position('-----BEGIN CERTIFICATE-----' IN NEW.tls_ca) = 0 THEN
-        RAISE EXCEPTION 'tls_ca holds no PEM certificate' USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'Paste the CA certificate(s) in PEM form, or NULL to trust the public roots.';
-    END IF;
+    -- the secret's key, each header, each CA certificate: as the worker will use them (Rust)
+    PERFORM outbox._check_sink_settings(NEW.secret, NEW.http_headers, NEW.tls_ca);
     IF NEW.kind = 'kafka_rest_v3' AND coalesce(NEW.cluster_id, '') = '' THEN
         RAISE EXCEPTION 'a kafka_rest_v3 sink needs its cluster_id' USING ERRCODE = 'invalid_parameter_value',
             HINT = 'Pass cluster_id => ''...''; GET /v3/clusters on the proxy lists it.';

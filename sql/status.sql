@@ -3,6 +3,8 @@
 -- An event is pending for a consumer while its transaction is not visible in the lower bound
 -- of its shard's current window (minus what the window has already delivered). Every such
 -- event has a seq above the window's floors, which bounds the index scan.
+--
+-- Name resolution (sql/grants.sql): both views are [parsed] and run as their owner.
 
 CREATE OR REPLACE VIEW outbox.shard_status AS
 SELECT c.name AS consumer,

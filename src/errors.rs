@@ -16,6 +16,8 @@ pub enum OutboxError {
     InvalidHeaders(String),
     /// The topic is not a valid Kafka topic name.
     InvalidTopic(String),
+    /// A sink setting the worker could not use (`setting`: secret, http_headers, tls_ca).
+    InvalidSinkSetting { setting: &'static str, why: String },
 }
 
 impl OutboxError {
@@ -27,6 +29,7 @@ impl OutboxError {
             OutboxError::PayloadTooLarge { .. } => ERRCODE_PROGRAM_LIMIT_EXCEEDED,
             OutboxError::InvalidHeaders(_) => ERRCODE_INVALID_PARAMETER_VALUE,
             OutboxError::InvalidTopic(_) => ERRCODE_INVALID_NAME,
+            OutboxError::InvalidSinkSetting { .. } => ERRCODE_INVALID_PARAMETER_VALUE,
         }
     }
 
@@ -39,6 +42,9 @@ impl OutboxError {
             }
             OutboxError::InvalidHeaders(why) => format!("invalid headers: {why}"),
             OutboxError::InvalidTopic(topic) => format!("invalid topic name \"{topic}\""),
+            OutboxError::InvalidSinkSetting { setting, why } => {
+                format!("invalid sink {setting}: {why}")
+            }
         }
     }
 
@@ -63,6 +69,23 @@ impl OutboxError {
             OutboxError::InvalidTopic(_) => "A topic is 1 to 249 characters of ASCII letters, \
                  digits, '.', '_' and '-', and not \".\" or \"..\"; or NULL for the default."
                 .into(),
+            OutboxError::InvalidSinkSetting {
+                setting: "secret", ..
+            } => "Give whsec_ and the base64 of 24 to 64 random bytes, e.g. 'whsec_' || \
+                  encode(sha256(gen_random_uuid()::text::bytea), 'base64')."
+                .into(),
+            OutboxError::InvalidSinkSetting {
+                setting: "http_headers",
+                ..
+            } => "Header names are tokens such as Authorization or X-Api-Key, not ones the sink \
+                  sets (Content-Type, Content-Length, Host, webhook-*, Idempotency-Key); \
+                  values are one line."
+                .into(),
+            OutboxError::InvalidSinkSetting { .. } => {
+                "Paste the CA certificate(s) in PEM form (-----BEGIN CERTIFICATE----- ...), \
+                 or NULL to trust the public roots."
+                    .into()
+            }
         }
     }
 

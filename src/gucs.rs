@@ -11,6 +11,11 @@ pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 10
 /// Databases the background worker serves, comma-separated. Reloads on SIGHUP.
 pub static DATABASES: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
+/// The role the background worker connects as (see src/worker/session.rs). Reloads on SIGHUP;
+/// a worker takes it when it starts.
+pub static WORKER_ROLE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"outbox_worker"));
+
 /// Seconds between two runs of outbox.maintain() by the worker. Reloads on SIGHUP.
 pub static MAINTAIN_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(60);
 
@@ -20,6 +25,14 @@ pub fn init() {
         c"Databases the outbox_ext background worker serves, comma-separated.",
         c"The worker waits in each until CREATE EXTENSION outbox_ext has run there.",
         &DATABASES,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"outbox_ext.worker_role",
+        c"The role the outbox_ext background worker connects as.",
+        c"outbox_worker (created by CREATE EXTENSION, NOLOGIN) by default; it needs no LOGIN.",
+        &WORKER_ROLE,
         GucContext::Sighup,
         GucFlags::default(),
     );
@@ -62,6 +75,15 @@ pub fn databases() -> Vec<String> {
         }
     }
     names
+}
+
+/// The worker's role name; outbox_worker when the setting is empty.
+pub fn worker_role() -> String {
+    let role = WORKER_ROLE.get();
+    match role.as_ref().and_then(|s| s.to_str().ok()).map(str::trim) {
+        Some(name) if !name.is_empty() => name.to_owned(),
+        _ => "outbox_worker".to_owned(),
+    }
 }
 
 pub fn maintain_interval() -> Duration {

@@ -17,6 +17,7 @@ from sinks import create_sink
 MAJORS = os.environ.get("OUTBOX_PG_MAJORS", "15 18").split()
 TEMPLATE = "outbox_template"
 DELIVER_DB = "deliver_db"
+SECURITY_DB = "security_db"  # tests/test_security.py plants hostile objects there
 _counter = itertools.count()
 
 
@@ -24,7 +25,7 @@ _counter = itertools.count()
 def cluster(request):
     # the background worker serves these databases (tests/test_worker.py creates worker_db;
     # deliver_db, below, is where the delivery tests create their sinks)
-    c = Cluster(request.param, {"outbox_ext.databases": f"'worker_db, {DELIVER_DB}'",
+    c = Cluster(request.param, {"outbox_ext.databases": f"'worker_db, {DELIVER_DB}, {SECURITY_DB}'",
                                 "outbox_ext.maintain_interval": "1"}).init()
     c.start()
     with c.connect() as conn:

@@ -11,8 +11,8 @@ import pytest
 
 from relay import Relay
 
-RELEASED = ["0.1.0", "0.2.0", "0.3.0", "0.4.0"]   # every version one can upgrade from
-NEW = "0.5.0"
+RELEASED = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0"]   # every version one can upgrade from
+NEW = "0.6.0"
 _n = itertools.count()
 
 
@@ -111,7 +111,8 @@ def catalog(db) -> list[str]:
                    WHEN 'pg_class'::regclass THEN (SELECT c.relkind::text || coalesce(c.relacl::text, '') ||
                                                           coalesce(pg_get_viewdef(c.oid), '') ||
                                                           (SELECT string_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod) ||
-                                                                             ' ' || a.attnotnull || ' ' || coalesce(pg_get_expr(ad.adbin, ad.adrelid), ''),
+                                                                             ' ' || a.attnotnull || ' ' || coalesce(pg_get_expr(ad.adbin, ad.adrelid), '') ||
+                                                                             ' ' || coalesce(a.attacl::text, ''),
                                                                              ', ' ORDER BY a.attnum)
                                                              FROM pg_attribute a LEFT JOIN pg_attrdef ad ON ad.adrelid = a.attrelid AND ad.adnum = a.attnum
                                                             WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)

@@ -28,11 +28,22 @@ pub fn agent(config: &Config) -> Result<ureq::Agent, String> {
     Ok(config.into())
 }
 
-fn certificates(pem: &str) -> Result<Vec<ureq::tls::Certificate<'static>>, String> {
+/// The certificates of a PEM text; fails unless there is at least one and each is an X.509
+/// certificate TLS can trust (parsed as rustls parses its roots).
+pub fn certificates(pem: &str) -> Result<Vec<ureq::tls::Certificate<'static>>, String> {
     let mut certs = Vec::new();
     for item in ureq::tls::parse_pem(pem.as_bytes()) {
         match item {
-            Ok(PemItem::Certificate(cert)) => certs.push(cert),
+            Ok(PemItem::Certificate(cert)) => {
+                let der = rustls_pki_types::CertificateDer::from(cert.der());
+                webpki::anchor_from_trusted_cert(&der).map_err(|e| {
+                    format!(
+                        "tls_ca: certificate {} is not valid: {e:?}",
+                        certs.len() + 1
+                    )
+                })?;
+                certs.push(cert)
+            }
             Ok(_) => {}
             Err(e) => return Err(format!("tls_ca: {e}")),
         }
@@ -41,6 +52,39 @@ fn certificates(pem: &str) -> Result<Vec<ureq::tls::Certificate<'static>>, Strin
         return Err("tls_ca holds no PEM certificate".into());
     }
     Ok(certs)
+}
+
+/// Request headers the sinks set themselves, or that frame the request: a sink's
+/// http_headers may not set them.
+const RESERVED_HEADERS: [&str; 9] = [
+    "content-length",
+    "transfer-encoding",
+    "host",
+    "connection",
+    "content-type",
+    "webhook-id",
+    "webhook-timestamp",
+    "webhook-signature",
+    "idempotency-key",
+];
+
+/// Fails unless `name: value` can be sent as a request header: the name an HTTP token
+/// (RFC 9110), not one the sink sets itself; the value without control characters (CR and
+/// LF would split the request) other than tab.
+pub fn check_header(name: &str, value: &str) -> Result<(), String> {
+    let tchar = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    if name.is_empty() || !name.chars().all(tchar) {
+        return Err(format!("header name {name:?} is not an HTTP token"));
+    }
+    if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+        return Err(format!("header {name:?} is set by the sink itself"));
+    }
+    if value.chars().any(|c| c.is_control() && c != '\t') {
+        return Err(format!(
+            "the value of header {name:?} holds a control character (CR, LF, ...)"
+        ));
+    }
+    Ok(())
 }
 
 /// A reply that came back.
@@ -216,5 +260,26 @@ mod tests {
                 matches!(judge_failure(&reply(status), "x", 1), Outcome::Events(v) if matches!(v[0], Verdict::Reject { .. }))
             );
         }
+    }
+
+    #[test]
+    fn headers_must_be_tokens_with_one_line_values() {
+        assert!(check_header("Authorization", "Bearer a\tb").is_ok());
+        assert!(check_header("X-Api-Key", "").is_ok());
+        for bad_name in ["", "X Bad", "X-Bad:", "Ü", "a\r\nb"] {
+            assert!(check_header(bad_name, "v").is_err(), "{bad_name:?}");
+        }
+        for bad_value in ["a\r\nX-Injected: 1", "a\nb", "a\u{0}b"] {
+            assert!(check_header("X-Ok", bad_value).is_err(), "{bad_value:?}");
+        }
+        assert!(check_header("content-LENGTH", "1").is_err());
+        assert!(check_header("Webhook-Signature", "v1,x").is_err());
+    }
+
+    #[test]
+    fn a_ca_must_hold_x509_certificates() {
+        assert!(certificates("no pem here").is_err());
+        let garbage = "-----BEGIN CERTIFICATE-----\nAAAAAAAAAAAA\n-----END CERTIFICATE-----\n";
+        assert!(certificates(garbage).is_err());
     }
 }

@@ -8,6 +8,7 @@
 
 pgrx::extension_sql_file!("../../sql/sinks.sql", name = "sinks", requires = ["claim"]);
 
+mod check;
 pub mod http;
 pub mod kafka;
 pub mod webhook;
@@ -137,6 +138,9 @@ impl Client {
     /// Fails on a configuration the trigger on outbox.sinks cannot check (certificates).
     pub fn new(config: Config) -> Result<Client, String> {
         let agent = http::agent(&config)?;
+        for (name, value) in &config.http_headers {
+            http::check_header(name, value)?; // a row saved before the check existed
+        }
         let signer = match &config.secret {
             Some(secret) => Some(webhook::Signer::new(secret)?),
             None => None,

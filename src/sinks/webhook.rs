@@ -12,12 +12,24 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// Signs requests with a Standard Webhooks secret ("whsec_" + base64 of the key).
 pub struct Signer(ring::hmac::Key);
 
+/// Key lengths Standard Webhooks allows, in bytes.
+pub const KEY_BYTES: std::ops::RangeInclusive<usize> = 24..=64;
+
 impl Signer {
+    /// Fails unless the secret is `whsec_` (optional) and the base64 of a key of KEY_BYTES.
     pub fn new(secret: &str) -> Result<Signer, String> {
         let encoded = secret.strip_prefix("whsec_").unwrap_or(secret);
         let key = BASE64
             .decode(encoded)
-            .map_err(|_| "secret is not base64 (expected whsec_<base64>)".to_string())?;
+            .map_err(|_| "the secret is not base64 (expected whsec_<base64>)".to_string())?;
+        if !KEY_BYTES.contains(&key.len()) {
+            return Err(format!(
+                "the secret's key is {} bytes; Standard Webhooks keys are {} to {}",
+                key.len(),
+                KEY_BYTES.start(),
+                KEY_BYTES.end()
+            ));
+        }
         Ok(Signer(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key)))
     }
 
@@ -222,5 +234,15 @@ mod tests {
             "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
         );
         assert!(Signer::new("whsec_not base64!").is_err());
+    }
+
+    #[test]
+    fn keys_are_24_to_64_bytes() {
+        let secret = |n: usize| format!("whsec_{}", BASE64.encode(vec![7u8; n]));
+        assert!(Signer::new(&secret(23)).is_err());
+        assert!(Signer::new(&secret(24)).is_ok());
+        assert!(Signer::new(&secret(64)).is_ok());
+        assert!(Signer::new(&secret(65)).is_err());
+        assert!(Signer::new(&BASE64.encode([7u8; 32])).is_ok()); // whsec_ is optional
     }
 }

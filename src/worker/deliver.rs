@@ -1,6 +1,13 @@
 //! The worker's side of delivery that talks to PostgreSQL, all on its main thread and each in a
 //! short transaction of its own: read the sinks, claim a batch, settle a finished batch (ack,
 //! nack, reject or release), record delivery figures. No network I/O happens in here.
+//!
+//! Every statement here runs in the worker's session (search_path `pg_catalog, pg_temp`, see
+//! `session`), and names what it uses by schema besides: our functions and tables as
+//! `outbox.*`, PostgreSQL's functions and operators as `pg_catalog.*` /
+//! `OPERATOR(pg_catalog.*)`, so that not even a changed search_path could make one resolve to
+//! another role's object. Values that would need an operator (intervals, NULLs for "none")
+//! are computed here and bound as parameters instead.
 
 use super::pool::Batch;
 use crate::sinks::{Config, Event, Kind, Outcome, Verdict};
@@ -56,11 +63,11 @@ pub fn load_sinks() -> Result<Vec<SinkRow>, String> {
     in_transaction(|| {
         Spi::connect(|client| {
             let rows = client.select(
-                "SELECT s.name, s.kind, s.url, s.format, array_to_json(s.topics)::text,
-                        array_to_json(s.aggregate_types)::text, s.batch_size, s.concurrency,
-                        (extract(epoch FROM s.connect_timeout) * 1000)::bigint,
-                        (extract(epoch FROM s.request_timeout) * 1000)::bigint,
-                        s.secret, s.http_headers::text, s.tls_ca, s.topic_map::text, s.cluster_id,
+                "SELECT s.name, s.kind, s.url, s.format, pg_catalog.array_to_json(s.topics)::text,
+                        pg_catalog.array_to_json(s.aggregate_types)::text, s.batch_size,
+                        s.concurrency, pg_catalog.date_part('epoch', s.connect_timeout),
+                        pg_catalog.date_part('epoch', s.request_timeout), s.secret,
+                        s.http_headers::text, s.tls_ca, s.topic_map::text, s.cluster_id,
                         s.updated_at::text
                    FROM outbox.sinks s WHERE s.enabled ORDER BY s.name",
                 None,
@@ -69,7 +76,10 @@ pub fn load_sinks() -> Result<Vec<SinkRow>, String> {
             let mut sinks = Vec::new();
             for row in rows {
                 let text = |i| row.get::<String>(i).ok().flatten();
-                let int = |i| row.get::<i64>(i).ok().flatten().unwrap_or(0);
+                let seconds = |i| {
+                    let secs = row.get::<f64>(i).ok().flatten().unwrap_or(0.0);
+                    Duration::from_secs_f64(secs.clamp(0.001, 86_400.0))
+                };
                 let Some(kind) = text(2).as_deref().and_then(Kind::parse) else {
                     continue; // the table's trigger allows no other kind
                 };
@@ -82,8 +92,8 @@ pub fn load_sinks() -> Result<Vec<SinkRow>, String> {
                     aggregate_types: text(6).map(|j| strings(&j)),
                     batch_size: row.get::<i32>(7).ok().flatten().unwrap_or(100),
                     concurrency: row.get::<i32>(8).ok().flatten().unwrap_or(1).max(1) as usize,
-                    connect_timeout: Duration::from_millis(int(9).max(1) as u64),
-                    request_timeout: Duration::from_millis(int(10).max(1) as u64),
+                    connect_timeout: seconds(9),
+                    request_timeout: seconds(10),
                     secret: text(11),
                     http_headers: text(12).map(|j| pairs(&j)).unwrap_or_default(),
                     tls_ca: text(13),
@@ -141,8 +151,8 @@ pub fn claim(config: &Config, batch_size: i32, lease: Duration) -> Result<Option
             let rows = client.select(
                 "SELECT c.shard, c.epoch, c.id::text, c.topic, c.aggregate_type, c.aggregate_id,
                         c.event_type, c.payload::text, c.headers::text,
-                        to_json(c.created_at) #>> '{}', c.attempt
-                   FROM outbox.claim($1, $2, make_interval(secs => $3), $4) AS c",
+                        pg_catalog.to_json(c.created_at) OPERATOR(pg_catalog.#>>) '{}', c.attempt
+                   FROM outbox.claim($1, $2, pg_catalog.make_interval(secs => $3), $4) AS c",
                 None,
                 &[
                     config.name.as_str().into(),
@@ -194,7 +204,7 @@ pub fn settle(batch: &Batch, outcome: &Outcome, pause: Duration) -> Result<Settl
         Spi::connect_mut(|client| match outcome {
             Outcome::SinkDown { error, .. } => {
                 client.update(
-                    "SELECT outbox.release($1, $2, $3, make_interval(secs => $4))",
+                    "SELECT outbox.release($1, $2, $3, pg_catalog.make_interval(secs => $4))",
                     None,
                     &[
                         batch.sink.as_str().into(),
@@ -237,11 +247,12 @@ fn settle_events(
         failed_keys.insert(&event.aggregate_id);
         settled.failed += 1;
         settled.error = Some(error.clone());
-        let secs = retry_after.map_or(-1.0, |d| d.as_secs_f64());
+        // make_interval is strict: no retry_after, a NULL interval
+        let secs: Option<f64> = retry_after.map(|d| d.as_secs_f64());
         let query = format!(
             "SELECT outbox.{function}($1, $2, $3, $4::uuid, $5{})",
             if function == "nack" {
-                ", CASE WHEN $6 >= 0 THEN make_interval(secs => $6) END"
+                ", pg_catalog.make_interval(secs => $6)"
             } else {
                 ""
             }
@@ -279,6 +290,15 @@ pub struct Figures {
     pub error: Option<String>,
 }
 
+/// The transaction's start, as now() would give it.
+fn now() -> pgrx::datum::TimestampWithTimeZone {
+    // SAFETY: reads the current transaction's start timestamp.
+    let at = unsafe { pg_sys::GetCurrentTransactionStartTimestamp() };
+    pgrx::datum::TimestampWithTimeZone::try_from(at).unwrap_or_else(|_| {
+        pgrx::datum::TimestampWithTimeZone::try_from(0i64).expect("the epoch is a timestamp")
+    })
+}
+
 /// Adds the figures to outbox._sink_stats (one small row per sink).
 pub fn record_figures(figures: &HashMap<String, Figures>) -> Result<(), String> {
     in_transaction(|| {
@@ -287,24 +307,25 @@ pub fn record_figures(figures: &HashMap<String, Figures>) -> Result<(), String> 
                 client.update(
                     "INSERT INTO outbox._sink_stats AS s
                          (sink, delivered, failed, per_second, last_delivered_at, last_error, last_error_at)
-                     SELECT $1, $2, $3, $4, CASE WHEN $2 > 0 THEN now() END, nullif($5, ''),
-                            CASE WHEN $5 <> '' THEN now() END
-                      WHERE EXISTS (SELECT FROM outbox.sinks k WHERE k.name = $1)
+                     SELECT $1, $2, $3, $4, $5, $6, $7
+                      WHERE EXISTS (SELECT FROM outbox.sinks k WHERE k.name OPERATOR(pg_catalog.=) $1)
                      ON CONFLICT (sink) DO UPDATE
-                        SET delivered = s.delivered + EXCLUDED.delivered,
-                            failed = s.failed + EXCLUDED.failed,
+                        SET delivered = s.delivered OPERATOR(pg_catalog.+) EXCLUDED.delivered,
+                            failed = s.failed OPERATOR(pg_catalog.+) EXCLUDED.failed,
                             per_second = EXCLUDED.per_second,
                             last_delivered_at = coalesce(EXCLUDED.last_delivered_at, s.last_delivered_at),
                             last_error = coalesce(EXCLUDED.last_error, s.last_error),
                             last_error_at = coalesce(EXCLUDED.last_error_at, s.last_error_at),
-                            updated_at = now()",
+                            updated_at = pg_catalog.now()",
                     None,
                     &[
                         sink.as_str().into(),
                         (f.delivered as i64).into(),
                         (f.failed as i64).into(),
                         f.per_second.into(),
-                        f.error.clone().unwrap_or_default().into(),
+                        (f.delivered > 0).then(now).into(),
+                        f.error.clone().into(),
+                        f.error.as_ref().map(|_| now()).into(),
                     ],
                 )?;
             }

@@ -12,6 +12,7 @@
 mod deliver;
 mod delivery;
 mod pool;
+mod session;
 
 use crate::{gucs, wake};
 use delivery::Delivery;
@@ -53,7 +54,12 @@ pub extern "C-unwind" fn outbox_ext_launcher_main(_arg: pg_sys::Datum) {
     let mut reported_missing: HashSet<String> = HashSet::new();
     loop {
         report_activity("starting workers");
-        for db in gucs::databases() {
+        let role = gucs::worker_role();
+        let role_exists = role_exists(&role);
+        if !role_exists && reported_missing.insert(format!("role {role}")) {
+            log!("outbox_ext: role \"{role}\" (outbox_ext.worker_role) does not exist yet; workers start once it does (CREATE EXTENSION outbox_ext makes outbox_worker)");
+        }
+        for db in gucs::databases().into_iter().filter(|_| role_exists) {
             if workers.get(&db).is_some_and(is_running) {
                 continue;
             }
@@ -73,8 +79,17 @@ pub extern "C-unwind" fn outbox_ext_launcher_main(_arg: pg_sys::Datum) {
                 ),
             }
         }
+        if role_exists {
+            reported_missing.remove(&format!("role {role}"));
+        }
         report_activity("idle");
-        if !BackgroundWorker::wait_latch(Some(LAUNCHER_NAP)) {
+        // waiting for the role (CREATE EXTENSION): look again soon
+        let nap = if role_exists {
+            LAUNCHER_NAP
+        } else {
+            EXTENSION_CHECK
+        };
+        if !BackgroundWorker::wait_latch(Some(nap)) {
             break;
         }
         reload_on_sighup();
@@ -86,29 +101,50 @@ fn is_running(worker: &DynamicBackgroundWorker) -> bool {
     !matches!(worker.pid(), Err(BackgroundWorkerStatus::Stopped))
 }
 
-/// A heap scan of the shared catalog pg_database, as the autovacuum launcher does: with no
-/// database selected, neither SQL nor an index scan can run.
+/// True if the database exists and accepts connections.
 fn database_exists(db: &str) -> bool {
-    BackgroundWorker::transaction(|| unsafe {
+    find_in_shared_catalog(pg_sys::DatabaseRelationId, |tuple| unsafe {
+        let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_database>(tuple);
+        let name = std::ffi::CStr::from_ptr((*form).datname.data.as_ptr());
+        (name.to_bytes() == db.as_bytes()).then_some((*form).datallowconn)
+    })
+    .unwrap_or(false)
+}
+
+/// True if the role exists (a worker cannot connect as a role that does not).
+fn role_exists(role: &str) -> bool {
+    find_in_shared_catalog(pg_sys::AuthIdRelationId, |tuple| unsafe {
+        let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_authid>(tuple);
+        let name = std::ffi::CStr::from_ptr((*form).rolname.data.as_ptr());
+        (name.to_bytes() == role.as_bytes()).then_some(())
+    })
+    .is_some()
+}
+
+/// The first answer `found` gives for a row of a shared catalog, by a heap scan, as the
+/// autovacuum launcher reads pg_database: with no database selected, neither SQL nor an index
+/// scan can run.
+fn find_in_shared_catalog<T>(
+    catalog: pg_sys::Oid,
+    found: impl Fn(*mut pg_sys::HeapTupleData) -> Option<T>
+        + std::panic::UnwindSafe
+        + std::panic::RefUnwindSafe,
+) -> Option<T> {
+    BackgroundWorker::transaction(move || unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
-        let rel = pg_sys::table_open(pg_sys::DatabaseRelationId, lock);
+        let rel = pg_sys::table_open(catalog, lock);
         let scan = pg_sys::table_beginscan_catalog(rel, 0, std::ptr::null_mut());
-        let mut found = false;
-        loop {
+        let mut answer = None;
+        while answer.is_none() {
             let tuple = pg_sys::heap_getnext(scan, pg_sys::ScanDirection::ForwardScanDirection);
             if tuple.is_null() {
                 break;
             }
-            let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_database>(tuple);
-            let name = std::ffi::CStr::from_ptr((*form).datname.data.as_ptr());
-            if name.to_bytes() == db.as_bytes() {
-                found = (*form).datallowconn;
-                break;
-            }
+            answer = found(tuple);
         }
         pg_sys::table_endscan(scan);
         pg_sys::table_close(rel, lock);
-        found
+        answer
     })
 }
 
@@ -130,7 +166,7 @@ fn start_worker(db: &str) -> Option<DynamicBackgroundWorker> {
 pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     let db = BackgroundWorker::get_extra().to_owned();
-    BackgroundWorker::connect_worker_to_spi(Some(&db), None);
+    session::connect(&db, &gucs::worker_role());
     if !take_database_lock() {
         return; // another worker serves this database (a launcher restarted); leave it be
     }

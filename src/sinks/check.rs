@@ -1,0 +1,43 @@
+//! A sink's settings are checked when its row is written: the trigger on outbox.sinks calls
+//! `outbox._check_sink_settings`, so that no sink is saved in a state the worker could never
+//! deliver with. The rules are the ones the worker applies when it builds the sink's client
+//! (`webhook::Signer::new`, `http::check_header`, `http::certificates`): one definition each.
+//! Runs in a backend, never on the delivery threads.
+
+use super::{http, webhook};
+use crate::errors::{OrRaise, OutboxError};
+use pgrx::prelude::*;
+use pgrx::JsonB;
+
+/// Raises 22023, with a hint, for a secret, an http_headers entry or a tls_ca the worker
+/// could not use; NULLs are fine (no secret, no extra headers, the public roots).
+#[pg_extern(
+    schema = "outbox",
+    name = "_check_sink_settings",
+    immutable,
+    parallel_safe
+)]
+fn check_sink_settings(secret: Option<&str>, http_headers: Option<JsonB>, tls_ca: Option<&str>) {
+    let bad =
+        |setting: &'static str| move |why: String| OutboxError::InvalidSinkSetting { setting, why };
+    if let Some(secret) = secret {
+        webhook::Signer::new(secret)
+            .map(drop)
+            .map_err(bad("secret"))
+            .or_raise();
+    }
+    if let Some(JsonB(serde_json::Value::Object(headers))) = &http_headers {
+        for (name, value) in headers {
+            let value = value.as_str().unwrap_or_default(); // a string: checked before
+            http::check_header(name, value)
+                .map_err(bad("http_headers"))
+                .or_raise();
+        }
+    }
+    if let Some(pem) = tls_ca {
+        http::certificates(pem)
+            .map(drop)
+            .map_err(bad("tls_ca"))
+            .or_raise();
+    }
+}

@@ -1,0 +1,77 @@
+//! The worker's session: which role it runs as and what its SQL can resolve.
+//!
+//! The worker runs as `outbox_ext.worker_role` (`outbox_worker`, NOLOGIN, created by CREATE
+//! EXTENSION), never as a superuser: it relays through the SECURITY DEFINER API, reads
+//! outbox.sinks, writes outbox._sink_stats and runs outbox.maintain() (sql/grants.sql), and
+//! nothing else. Its search_path is `pg_catalog, pg_temp` for the whole session, set after
+//! connecting so that no `ALTER DATABASE/ROLE ... SET search_path` applies: its statements
+//! resolve only pg_catalog and the schemas they name (operators and functions are never looked
+//! up in pg_temp), so no role with CREATE on some schema can plant code for it to run.
+//!
+//! - PostgreSQL 17 and later connect as the role directly (`BGWORKER_BYPASS_ROLELOGINCHECK`:
+//!   no LOGIN needed).
+//! - PostgreSQL 15 and 16 cannot connect a worker as a NOLOGIN role. The worker connects as the
+//!   bootstrap superuser, runs no statement, and becomes the role for good: it sets
+//!   `session_authorization` (session_user, current_user and pg_stat_activity show the role)
+//!   and enters a security-restricted operation, which PostgreSQL keeps for the rest of the
+//!   session (each transaction's abort restores it) and in which `SET ROLE` and `SET SESSION
+//!   AUTHORIZATION` are refused: code running in the session can never switch back.
+
+use pgrx::prelude::*;
+use std::ffi::CString;
+
+/// What the worker's statements resolve names in.
+const SEARCH_PATH: &std::ffi::CStr = c"pg_catalog, pg_temp";
+
+/// Connects the worker to `db` as `role` and pins its search_path.
+pub fn connect(db: &str, role: &str) {
+    let db = CString::new(db).unwrap_or_default();
+    let role = CString::new(role).unwrap_or_default();
+    connect_as(&db, &role);
+    unsafe {
+        pg_sys::SetConfigOption(
+            c"search_path".as_ptr(),
+            SEARCH_PATH.as_ptr(),
+            pg_sys::GucContext::PGC_SUSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+        );
+    }
+}
+
+#[cfg(any(feature = "pg17", feature = "pg18"))]
+fn connect_as(db: &CString, role: &CString) {
+    let flags = pg_sys::BGWORKER_BYPASS_ROLELOGINCHECK;
+    unsafe { pg_sys::BackgroundWorkerInitializeConnection(db.as_ptr(), role.as_ptr(), flags) };
+    warn_if_superuser();
+}
+
+#[cfg(any(feature = "pg15", feature = "pg16"))]
+fn connect_as(db: &CString, role: &CString) {
+    unsafe { pg_sys::BackgroundWorkerInitializeConnection(db.as_ptr(), std::ptr::null(), 0) };
+    // In a transaction: the setting's check looks the role up in the catalog.
+    super::deliver::in_transaction(|| unsafe {
+        pg_sys::SetConfigOption(
+            c"session_authorization".as_ptr(),
+            role.as_ptr(),
+            pg_sys::GucContext::PGC_SUSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+        );
+    })
+    .unwrap_or_else(|e| error!("outbox_ext worker: cannot become {role:?}: {e}"));
+    unsafe {
+        let user = pg_sys::GetSessionUserId();
+        pg_sys::SetUserIdAndSecContext(user, pg_sys::SECURITY_RESTRICTED_OPERATION as i32);
+        pg_sys::pgstat_bestart(); // pg_stat_activity shows the session user anew
+    }
+    warn_if_superuser();
+}
+
+fn warn_if_superuser() {
+    let superuser = super::deliver::in_transaction(|| unsafe { pg_sys::superuser() });
+    if superuser.unwrap_or(false) {
+        warning!(
+            "outbox_ext worker: outbox_ext.worker_role is a superuser; \
+             it needs only what outbox_worker is granted"
+        );
+    }
+}
