@@ -15,6 +15,7 @@ start_bench_cluster claim
 
 sql <<'SQL'
 CREATE EXTENSION outbox_ext;
+SELECT count(*) FROM outbox.maintain();  -- the first partitions
 CREATE EXTENSION pgq;
 CREATE TABLE plain_outbox (
     id uuid PRIMARY KEY DEFAULT gen_random_uuid(),

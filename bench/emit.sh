@@ -32,6 +32,7 @@ sql() { "$BIN/psql" -X -q -h 127.0.0.1 -p "$PORT" -U postgres -d bench -v ON_ERR
 
 sql <<'SQL'
 CREATE EXTENSION outbox_ext;
+SELECT count(*) FROM outbox.maintain();  -- the first partitions
 CREATE EXTENSION pgq;
 SELECT pgq.create_queue('bench');
 CREATE TABLE business (id bigserial PRIMARY KEY, customer text, total numeric);

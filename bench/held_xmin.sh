@@ -16,6 +16,7 @@ start_bench_cluster held_xmin
 
 sql <<'SQL'
 CREATE EXTENSION outbox_ext;
+SELECT count(*) FROM outbox.maintain();  -- the first partitions
 SELECT outbox.create_consumer('bench');
 CREATE TABLE business (id bigserial PRIMARY KEY, v int);
 CREATE TABLE plain_outbox (

@@ -75,12 +75,7 @@ with psycopg.connect(dsn, autocommit=True) as conn:
     conn.execute("SELECT outbox.create_consumer('soak')")
     conn.execute("UPDATE outbox.partition_config SET width = %s, ahead = 2, retention = %s",
                  (f"{width_s} seconds", f"{width_s} seconds"))
-    # the day-wide partitions CREATE EXTENSION made would cover the whole run: replace them
-    for (part,) in conn.execute("SELECT partition::text FROM outbox.partitions "
-                                "WHERE parent = 'outbox.events'::regclass AND NOT is_default").fetchall():
-        conn.execute(f"ALTER EXTENSION outbox_ext DROP TABLE {part}")
-        conn.execute(f"DROP TABLE {part}")
-    conn.execute("SELECT * FROM outbox.maintain()")
+    conn.execute("SELECT * FROM outbox.maintain()")   # the first partitions, of the soak's width
     threads = [threading.Thread(target=producer, args=(2,)) for _ in range(2)]
     threads += [threading.Thread(target=relay), threading.Thread(target=maintainer)]
     for t in threads:

@@ -78,7 +78,9 @@ CREATE TABLE IF NOT EXISTS outbox._cursor_log (
     batch_end   bigint,                -- claim rows: seq of the batch's last event
     exhausted   boolean,               -- claim rows: the batch ends the window
     heads       uuid[],                -- claim rows: parked head events handed out
-    at          timestamptz NOT NULL DEFAULT now()
+    at          timestamptz NOT NULL DEFAULT now(),
+    restored_seq bigint,               -- restored from a dump (sql/restore.sql): events up to
+    restored_top xid8                  -- this seq are the dump's, their txids below this top
 );
 CREATE INDEX IF NOT EXISTS _cursor_log_consumer_id_shard_pos_idx
     ON outbox._cursor_log (consumer_id, shard, pos DESC);
@@ -173,11 +175,12 @@ COMMENT ON TYPE outbox.claimed IS
 ---------------------------------------------------------------------------------------------
 
 CREATE OR REPLACE FUNCTION outbox._consumer(name text) RETURNS outbox.consumers
-    LANGUAGE plpgsql STABLE
+    LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
     c outbox.consumers;
 BEGIN
+    PERFORM outbox._rebase_if_restored();
     SELECT * INTO c FROM outbox.consumers WHERE consumers.name = _consumer.name;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'consumer "%" does not exist', name
@@ -222,12 +225,12 @@ BEGIN
     INSERT INTO outbox._cursor_log
         (consumer_id, shard, epoch, owner, lease_until, lo_snap, lo_seq, lo_top, lo_txids,
          lo_floors, hi_snap, hi_seq, hi_top, hi_txids, hi_floors, late_from, late_to,
-         after_seq, batch_end, exhausted, heads)
+         after_seq, batch_end, exhausted, heads, restored_seq, restored_top)
     VALUES
         (cur.consumer_id, cur.shard, cur.epoch, cur.owner, cur.lease_until, cur.lo_snap,
          cur.lo_seq, cur.lo_top, cur.lo_txids, cur.lo_floors, cur.hi_snap, cur.hi_seq,
          cur.hi_top, cur.hi_txids, cur.hi_floors, cur.late_from, cur.late_to, cur.after_seq,
-         cur.batch_end, cur.exhausted, cur.heads);
+         cur.batch_end, cur.exhausted, cur.heads, cur.restored_seq, cur.restored_top);
 END
 $$;
 
@@ -280,18 +283,29 @@ DECLARE
     late    record;
     seq_end bigint;
 BEGIN
-    cur.hi_seq := seq_mark;
-    cur.hi_snap := pg_current_snapshot();
-    seq_end := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
-    cur.hi_top := outbox._top(cur.hi_snap, x);
-    SELECT coalesce(array_agg(t ORDER BY t), '{}'),
-           coalesce(array_agg(CASE WHEN t = x THEN seq_mark
-                                   ELSE greatest(coalesce(u.f, cur.lo_seq),
-                                                 (SELECT m.seq FROM outbox._marks m WHERE m.top < t
-                                                   ORDER BY m.top DESC LIMIT 1)) END ORDER BY t), '{}')
-      INTO cur.hi_txids, cur.hi_floors
-      FROM unnest(outbox._in_progress(cur.hi_snap, x)) AS t
-      LEFT JOIN unnest(cur.lo_txids, cur.lo_floors) AS u(id, f) ON u.id = t;
+    IF cur.restored_seq IS NOT NULL THEN
+        -- Restored from a dump (sql/restore.sql): the last window in the dump's transaction ids
+        -- ends where every event of the dump is committed, as every restored event is.
+        cur.hi_seq := cur.restored_seq;
+        cur.hi_snap := (cur.restored_top || ':' || cur.restored_top || ':')::pg_snapshot;
+        cur.hi_top := cur.restored_top;
+        cur.hi_txids := '{}';
+        cur.hi_floors := '{}';
+        seq_end := cur.restored_seq;
+    ELSE
+        cur.hi_seq := seq_mark;
+        cur.hi_snap := pg_current_snapshot();
+        seq_end := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
+        cur.hi_top := outbox._top(cur.hi_snap, x);
+        SELECT coalesce(array_agg(t ORDER BY t), '{}'),
+               coalesce(array_agg(CASE WHEN t = x THEN seq_mark
+                                       ELSE greatest(coalesce(u.f, cur.lo_seq),
+                                                     (SELECT m.seq FROM outbox._marks m WHERE m.top < t
+                                                       ORDER BY m.top DESC LIMIT 1)) END ORDER BY t), '{}')
+          INTO cur.hi_txids, cur.hi_floors
+          FROM unnest(outbox._in_progress(cur.hi_snap, x)) AS t
+          LEFT JOIN unnest(cur.lo_txids, cur.lo_floors) AS u(id, f) ON u.id = t;
+    END IF;
     late := outbox._late(cur);
     cur.late_from := NULL; cur.late_to := NULL;
     IF cardinality(late.txids) > 0 THEN
@@ -320,6 +334,12 @@ BEGIN
     IF exhausted THEN
         cur.lo_snap := cur.hi_snap;   cur.lo_seq := cur.hi_seq;       cur.lo_top := cur.hi_top;
         cur.lo_txids := cur.hi_txids; cur.lo_floors := cur.hi_floors;
+        IF cur.lo_top = cur.restored_top THEN
+            -- Restored, and the dump's last window is done: every event of the dump is. Go on in
+            -- this cluster's transaction ids, with every event after the dump's (a greater seq).
+            cur.lo_snap := '1:1:'; cur.lo_top := '1'; cur.lo_txids := '{}'; cur.lo_floors := '{}';
+            cur.restored_seq := NULL; cur.restored_top := NULL;
+        END IF;
         cur.hi_snap := NULL; cur.hi_seq := NULL; cur.hi_top := NULL;
         cur.hi_txids := NULL; cur.hi_floors := NULL; cur.late_from := NULL; cur.late_to := NULL;
         cur.after_seq := NULL;
@@ -332,6 +352,35 @@ BEGIN
 END
 $$;
 
+-- A window done: no window yet after it. Leaving a dump's events (see _advance) is recorded
+-- at once, so that later claims do not look through them again.
+CREATE OR REPLACE FUNCTION outbox._next_window(cur outbox._cursor_log) RETURNS outbox._cursor_log
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    restored boolean := cur.restored_seq IS NOT NULL;
+BEGIN
+    cur := outbox._advance(cur, NULL, true);
+    IF restored AND cur.restored_seq IS NULL THEN
+        PERFORM outbox._append(cur);
+    END IF;
+    RETURN cur;
+END
+$$;
+
+-- What is pending for a consumer: whether the event (txid, seq) of the cursor's shard is still
+-- to be delivered. Every such event has a seq above _pending_floor, which bounds index scans.
+-- Status and partition maintenance ask this; claims read the same set window by window.
+CREATE OR REPLACE FUNCTION outbox._pending(cur outbox._cursor_log, txid xid8, seq bigint) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN seq > cur.restored_seq  -- emitted after a restore (sql/restore.sql): not read yet
+        OR (NOT pg_catalog.pg_visible_in_snapshot(txid, cur.lo_snap)
+            AND NOT (cur.hi_snap IS NOT NULL AND seq <= coalesce(cur.after_seq, -1)
+                     AND pg_catalog.pg_visible_in_snapshot(txid, cur.hi_snap)));
+CREATE OR REPLACE FUNCTION outbox._pending_floor(cur outbox._cursor_log) RETURNS bigint
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN least(cur.lo_seq, (SELECT min(f) FROM pg_catalog.unnest(cur.lo_floors) AS f));
+
 -- Events of a shard in the cursor's window, after its position and up to seq upto, in seq
 -- order, at most lim (NULL: all). Both parts walk the (shard, seq, txid) index in order and
 -- stop at the limit. A custom plan, costed with the actual bounds, would rather sort a whole
@@ -343,7 +392,8 @@ RETURNS SETOF outbox.events
 AS $$
 DECLARE
     late     xid8[] := (outbox._late(cur)).txids;
-    last_seq bigint := coalesce(upto, 9223372036854775807);
+    -- restored: only the dump's events, whose txids are the dump's (sql/restore.sql)
+    last_seq bigint := least(coalesce(upto, 9223372036854775807), cur.restored_seq);
 BEGIN
     RETURN QUERY
     SELECT w.* FROM (
@@ -482,8 +532,8 @@ BEGIN
         -- The common case: the whole page goes out. It is read once, into the result and into
         -- the claim row (the bounds, as _append writes them; no row when the page is empty).
         LOOP
-            fresh := cur.hi_snap IS NULL;
-            IF fresh THEN
+            fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
+            IF cur.hi_snap IS NULL THEN
                 cur := outbox._open_window(cur, seq_mark, x);
             END IF;
             RETURN QUERY
@@ -493,25 +543,26 @@ BEGIN
                      INSERT INTO outbox._cursor_log
                          (consumer_id, shard, epoch, owner, lease_until, lo_snap, lo_seq, lo_top,
                           lo_txids, lo_floors, hi_snap, hi_seq, hi_top, hi_txids, hi_floors,
-                          late_from, late_to, after_seq, batch_end, exhausted, heads)
+                          late_from, late_to, after_seq, batch_end, exhausted, heads,
+                          restored_seq, restored_top)
                      SELECT cur.consumer_id, cur.shard, cur.epoch + 1, _claim_shard.owner,
                             now() + lease, cur.lo_snap, cur.lo_seq, cur.lo_top, cur.lo_txids,
                             cur.lo_floors, cur.hi_snap, cur.hi_seq, cur.hi_top, cur.hi_txids,
                             cur.hi_floors, cur.late_from, cur.late_to, cur.after_seq, max(p.seq),
-                            count(*) < batch_size, '{}'
+                            count(*) < batch_size, '{}', cur.restored_seq, cur.restored_top
                        FROM page p HAVING count(*) > 0)
             SELECT _claim_shard.shard, cur.epoch + 1, p.id, p.topic, p.aggregate_type,
                    p.aggregate_id, p.event_type, p.payload, p.headers, p.created_at, p.seq, 1
               FROM page p ORDER BY p.seq;
             GET DIAGNOSTICS n = ROW_COUNT;
             EXIT WHEN n > 0 OR fresh;  -- a batch, or nothing new since the last window
-            cur := outbox._advance(cur, NULL, true);  -- window done; open the next one
+            cur := outbox._next_window(cur);
         END LOOP;
         RETURN;
     END IF;
     LOOP
-        fresh := cur.hi_snap IS NULL;
-        IF fresh THEN
+        fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
+        IF cur.hi_snap IS NULL THEN
             cur := outbox._open_window(cur, seq_mark, x);
         END IF;
         batch := ARRAY(SELECT w FROM outbox._window(shard, cur, NULL, batch_size) AS w);
@@ -537,7 +588,7 @@ BEGIN
         ELSIF fresh THEN
             EXIT;  -- nothing new since the last window
         ELSE
-            cur := outbox._advance(cur, NULL, true);  -- window done; open the next one
+            cur := outbox._next_window(cur);
         END IF;
     END LOOP;
 
@@ -591,6 +642,7 @@ CREATE OR REPLACE FUNCTION outbox.create_consumer(
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    rebased boolean := outbox._rebase_if_restored();  -- first: it may write
     c_id   int;
     -- The first bound, taken as claims take theirs (see the header); if this transaction has
     -- written already, its xid may be older than the seq, so start the seq bound at 0.
@@ -624,10 +676,15 @@ BEGIN
     INSERT INTO outbox._shards SELECT c_id, s FROM generate_series(0, outbox.shard_count() - 1) s;
     -- Transactions in progress now get floor 0: their events may be older than anything; this
     -- transaction's own, lo_seq.
-    INSERT INTO outbox._cursor_log (consumer_id, shard, epoch, lo_snap, lo_seq, lo_top, lo_txids, lo_floors)
+    -- From the beginning in a database restored from a dump: the dump's events first, in its
+    -- transaction ids (sql/restore.sql).
+    INSERT INTO outbox._cursor_log (consumer_id, shard, epoch, lo_snap, lo_seq, lo_top, lo_txids,
+                                    lo_floors, restored_seq, restored_top)
     SELECT c_id, s, 0, b.snap, b.seq, b.top, b.txids,
-           ARRAY(SELECT CASE WHEN t = x THEN lo_seq ELSE 0 END FROM unnest(b.txids) AS t)
-      FROM generate_series(0, outbox.shard_count() - 1) AS s,
+           ARRAY(SELECT CASE WHEN t = x THEN lo_seq ELSE 0 END FROM unnest(b.txids) AS t),
+           o.restored_seq, o.restored_top
+      FROM generate_series(0, outbox.shard_count() - 1) AS s
+      LEFT JOIN outbox._origin o ON from_beginning,
            (SELECT '1:1:'::pg_snapshot AS snap, 0::bigint AS seq, '1'::xid8 AS top, '{}'::xid8[] AS txids
              WHERE from_beginning
             UNION ALL
@@ -642,6 +699,11 @@ CREATE OR REPLACE FUNCTION outbox.drop_consumer(name text) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
+    -- Its shards first, in order, as claims and acks take them before they write a cursor row
+    -- (whose key check waits for the consumer row): deleting the consumer first would deadlock
+    -- with an ack under way.
+    PERFORM FROM outbox._shards s JOIN outbox.consumers c ON c.id = s.consumer_id
+     WHERE c.name = drop_consumer.name ORDER BY s.shard FOR UPDATE OF s;
     DELETE FROM outbox.dead_letters d WHERE d.consumer = drop_consumer.name;
     DELETE FROM outbox.consumers c WHERE c.name = drop_consumer.name;
     RETURN FOUND;
@@ -659,6 +721,7 @@ CREATE OR REPLACE FUNCTION outbox.claim(
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    rebased boolean := outbox._rebase_if_restored();  -- first: it may write
     c     outbox.consumers := outbox._consumer(consumer);
     n     int := outbox.shard_count();
     start int := floor(random() * n)::int;
@@ -667,6 +730,9 @@ DECLARE
     x     xid8;
 BEGIN
     -- The bound of any window this claim opens: the seq, then a fresh xid (see the header).
+    IF rebased THEN
+        RETURN;  -- this transaction rebased a restored database (it wrote): claim in the next
+    END IF;
     IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
         RAISE EXCEPTION 'outbox.claim must come before any write in its transaction'
             USING ERRCODE = 'active_sql_transaction',

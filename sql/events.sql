@@ -36,10 +36,10 @@ CREATE TABLE outbox.events (
     shard          int         NOT NULL
 ) PARTITION BY RANGE (created_at);
 
--- The one index readers need: a shard's events in emit order. Claims page through a commit
--- window by seq (linear however large the window); txid is a key column so that window
+-- The one index readers need, on every partition (outbox._index_partition, which says why not
+-- on this table): (shard, seq, txid), a shard's events in emit order. Claims page through a
+-- commit window by seq (linear however large the window); txid is a key column so that window
 -- bounds on it are checked in the index, without visiting the heap.
-CREATE INDEX events_read_idx ON outbox.events (shard, seq, txid);
 
 COMMENT ON TABLE outbox.events IS
     'The event log: one row per emitted event, written only by outbox.emit and outbox.emit_many.';

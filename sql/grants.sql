@@ -62,6 +62,10 @@ TO outbox_producer;
 
 -- outbox_relay: read the log, claim and settle
 GRANT SELECT ON outbox.events, outbox.status, outbox.shard_status TO outbox_relay;
+-- what the status views ask of each event (pure functions, inlined into the views' plans;
+-- functions a view calls are checked against whoever reads it)
+GRANT EXECUTE ON FUNCTION outbox._pending(outbox._cursor_log, xid8, bigint),
+                          outbox._pending_floor(outbox._cursor_log) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION
     outbox.claim(text, int, interval, text),
     outbox.ack(text, int, bigint),
@@ -89,7 +93,7 @@ TO outbox_admin;
 GRANT SELECT ON outbox.events, outbox.consumers, outbox.sinks, outbox._sink_stats,
     outbox.dead_letters, outbox.partition_config, outbox.partitions, outbox.status,
     outbox.shard_status, outbox._shards, outbox._cursor_log, outbox._parked,
-    outbox._parked_events, outbox._marks, inbox.messages
+    outbox._parked_events, outbox._marks, outbox._origin, inbox.messages
 TO outbox_admin;
 GRANT INSERT, UPDATE, DELETE ON outbox.sinks TO outbox_admin;   -- checked by its trigger
 GRANT UPDATE (max_attempts, backoff_base, backoff_max) ON outbox.consumers TO outbox_admin;

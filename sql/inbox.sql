@@ -13,9 +13,8 @@
 CREATE TABLE IF NOT EXISTS inbox.messages (
     message_id  uuid        NOT NULL,
     consumer    text        NOT NULL,
-    received_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (message_id, consumer)
-) PARTITION BY RANGE (message_id);
+    received_at timestamptz NOT NULL DEFAULT now()
+) PARTITION BY RANGE (message_id);  -- each partition has its unique key (sql/partitions.sql)
 COMMENT ON TABLE inbox.messages IS
     'Messages consumers have processed, for dedup; partitioned by message_id (UUIDv7 time).';
 

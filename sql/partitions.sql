@@ -62,6 +62,27 @@ CREATE OR REPLACE FUNCTION outbox._floor_time(at timestamptz, width interval) RE
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN to_timestamp(floor(extract(epoch FROM at) / extract(epoch FROM width)) * extract(epoch FROM width));
 
+-- The index a partition of parent needs: events, (shard, seq, txid), which claims read; the
+-- inbox, unique (message_id, consumer), which dedups (message_id decides the partition, so a
+-- key unique in each partition is unique in the table). Made on each partition, never on the
+-- parent: pg_dump restores the partitions maintain() made as tables of their own, attached to
+-- the parent CREATE EXTENSION made; an index of the parent would be copied onto each at
+-- ATTACH, and the dump's own CREATE INDEX for it would then fail.
+CREATE OR REPLACE FUNCTION outbox._index_partition(parent regclass, part regclass) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    name text := (SELECT c.relname FROM pg_class c WHERE c.oid = part);
+BEGIN
+    IF parent = 'inbox.messages'::regclass THEN
+        EXECUTE format('CREATE UNIQUE INDEX IF NOT EXISTS %I ON %s (message_id, consumer)',
+                       name || '_key', part);
+    ELSE
+        EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON %s (shard, seq, txid)', name || '_read', part);
+    END IF;
+END
+$$;
+
 -- Take every privilege on rel from every role but its owner. A new partition gets its
 -- owner's default privileges (ALTER DEFAULT PRIVILEGES); partitions need no grant at all
 -- (rows are reached through the parent), and a TRIGGER or TRUNCATE grant on one would let its
@@ -116,6 +137,7 @@ BEGIN
                        dflt, outbox._key_column(parent), outbox._bound(parent, lo_at),
                        outbox._key_column(parent), outbox._bound(parent, hi_at), nsp, part);
     END IF;
+    PERFORM outbox._index_partition(parent, format('%I.%I', nsp, part)::regclass);
     EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
                    nsp, rel, nsp, part, outbox._bound(parent, lo_at), outbox._bound(parent, hi_at));
     PERFORM outbox._revoke_all(format('%I.%I', nsp, part)::regclass);
@@ -146,11 +168,12 @@ BEGIN
     END IF;
     EXECUTE format(
         'SELECT EXISTS (SELECT FROM outbox._shards s
-                          CROSS JOIN LATERAL (SELECT l.lo_snap FROM outbox._cursor_log l
+                          CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
                                                WHERE l.consumer_id = s.consumer_id AND l.shard = s.shard
                                                ORDER BY l.pos DESC LIMIT 1) AS cur
                          WHERE EXISTS (SELECT FROM %s e WHERE e.shard = s.shard
-                                          AND NOT pg_visible_in_snapshot(e.txid, cur.lo_snap)))', part)
+                                          AND e.seq > outbox._pending_floor(cur.l)
+                                          AND outbox._pending(cur.l, e.txid, e.seq)))', part)
         INTO pending;
     RETURN CASE WHEN pending THEN 'a consumer has not read all its events' END;
 END
@@ -182,8 +205,18 @@ BEGIN
     --    locks the default partition) it could deadlock with a reader that holds the parent and
     --    goes on to the default partition. Each waits at most a second: a long reader must not
     --    queue every emit behind the drop; the next run tries again.
+    PERFORM outbox._rebase_if_restored();  -- a database restored from a dump (sql/restore.sql)
     old_timeout := current_setting('lock_timeout');
     PERFORM set_config('lock_timeout', '1s', true);
+    IF EXISTS (SELECT FROM pg_trigger t WHERE t.tgrelid = 'outbox.events'::regclass
+                                          AND t.tgname = 'rebase_before_emit') THEN
+        BEGIN  -- rebased: emits need not stop by any more, and write natively again
+            DROP TRIGGER rebase_before_emit ON outbox.events;
+            RETURN QUERY SELECT 'rebased', 'outbox.events', 'restored from a dump; rebased'::text;
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            NULL;  -- in use: the next run
+        END;
+    END IF;
     FOR cfg IN SELECT * FROM outbox.partition_config LOOP
         FOR p IN SELECT * FROM outbox.partitions x
                   WHERE x.parent = cfg.parent AND NOT x.is_default AND x.upper <= now() - cfg.retention
@@ -269,6 +302,25 @@ COMMENT ON FUNCTION outbox.maintain() IS
     'Safe to run concurrently (one runs, the other skips) and from pg_cron: '
     'SELECT cron.schedule(''outbox-maintain'', ''* * * * *'', ''SELECT * FROM outbox.maintain()'');';
 
+-- The default partitions belong to the extension; dated partitions do not: CREATE EXTENSION
+-- makes none (the first outbox.maintain() does, which the worker runs at once), so that a
+-- restore, which runs CREATE EXTENSION first, does not make partitions its dump brings too.
 CREATE TABLE IF NOT EXISTS outbox.events_default PARTITION OF outbox.events DEFAULT;
 CREATE TABLE IF NOT EXISTS inbox.messages_default PARTITION OF inbox.messages DEFAULT;
-SELECT count(*) FROM outbox.maintain();
+SELECT outbox._index_partition('outbox.events', 'outbox.events_default');
+SELECT outbox._index_partition('inbox.messages', 'inbox.messages_default');
+
+-- Restoring a dump puts its partition_config rows over those CREATE EXTENSION made (a plain
+-- COPY would collide with them); see sql/dump.sql.
+CREATE OR REPLACE FUNCTION outbox._restore_partition_config() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    UPDATE outbox.partition_config c
+       SET width = NEW.width, ahead = NEW.ahead, retention = NEW.retention, detach = NEW.detach
+     WHERE c.parent = NEW.parent;
+    RETURN CASE WHEN FOUND THEN NULL ELSE NEW END;
+END
+$$;
+CREATE OR REPLACE TRIGGER restore_partition_config BEFORE INSERT ON outbox.partition_config
+    FOR EACH ROW EXECUTE FUNCTION outbox._restore_partition_config();

@@ -1,8 +1,7 @@
 -- outbox_ext: what is left to deliver, per consumer and per shard, and why.
 --
--- An event is pending for a consumer while its transaction is not visible in the lower bound
--- of its shard's current window (minus what the window has already delivered). Every such
--- event has a seq above the window's floors, which bounds the index scan.
+-- What is pending is outbox._pending's answer (sql/claim.sql), for the events above
+-- outbox._pending_floor, which bounds the index scan.
 --
 -- Name resolution (sql/grants.sql): both views are [parsed] and run as their owner.
 
@@ -23,11 +22,8 @@ SELECT c.name AS consumer,
  CROSS JOIN LATERAL (
         SELECT count(*) AS events, min(e.created_at) AS oldest
           FROM outbox.events e
-         WHERE e.shard = cur.shard
-           AND e.seq > least(cur.lo_seq, (SELECT min(f) FROM unnest(cur.lo_floors) AS f))
-           AND NOT pg_visible_in_snapshot(e.txid, cur.lo_snap)
-           AND NOT (cur.hi_snap IS NOT NULL AND e.seq <= coalesce(cur.after_seq, -1)
-                    AND pg_visible_in_snapshot(e.txid, cur.hi_snap))) AS pend;
+         WHERE e.shard = cur.shard AND e.seq > outbox._pending_floor(cur)
+           AND outbox._pending(cur, e.txid, e.seq)) AS pend;
 COMMENT ON VIEW outbox.shard_status IS
     'Per consumer and shard: pending events, the oldest one and its age, parked keys, who holds the lease.';
 

@@ -16,6 +16,10 @@ pub static DATABASES: GucSetting<Option<CString>> = GucSetting::<Option<CString>
 pub static WORKER_ROLE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox_worker"));
 
+/// DROP EXTENSION outbox_ext drops undelivered events too (off: it is refused). Superusers,
+/// per session.
+pub static DROP_UNDELIVERED: GucSetting<bool> = GucSetting::<bool>::new(false);
+
 /// Seconds between two runs of outbox.maintain() by the worker. Reloads on SIGHUP.
 pub static MAINTAIN_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(60);
 
@@ -46,6 +50,14 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::UNIT_S,
     );
+    GucRegistry::define_bool_guc(
+        c"outbox_ext.drop_undelivered",
+        c"Lets DROP EXTENSION outbox_ext drop events that were not delivered.",
+        c"Off: the DROP is refused while a consumer has events pending, parked keys or dead letters.",
+        &DROP_UNDELIVERED,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
     GucRegistry::define_int_guc(
         c"outbox_ext.max_payload_bytes",
         c"Largest event payload emit accepts, in bytes.",
@@ -75,6 +87,10 @@ pub fn databases() -> Vec<String> {
         }
     }
     names
+}
+
+pub fn drop_undelivered() -> bool {
+    DROP_UNDELIVERED.get()
 }
 
 /// The worker's role name; outbox_worker when the setting is empty.

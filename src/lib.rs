@@ -3,6 +3,7 @@
 //! Events are written in the caller's transaction (`emit`), read in commit order per shard
 //! (`claim`), and delivered by a background worker (`worker`, `sinks`).
 
+mod backup;
 mod claim;
 mod emit;
 mod errors;

@@ -32,6 +32,7 @@ def cluster(request):
         conn.execute(f"CREATE DATABASE {TEMPLATE}")
     with c.connect(TEMPLATE) as conn:
         conn.execute("CREATE EXTENSION outbox_ext")
+        conn.execute("SELECT * FROM outbox.maintain()")  # partitions (the worker makes them too)
         for role, member_of in [("producer_user", "outbox_producer"), ("relay_user", "outbox_relay"),
                                 ("admin_user", "outbox_admin"), ("nobody_user", None)]:
             conn.execute(f"DO $$ BEGIN CREATE ROLE {role} LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")

@@ -54,10 +54,10 @@ class Cluster:
             **(settings or {}),
         }
 
-    def init(self) -> "Cluster":
+    def init(self, initdb_args: list[str] | None = None) -> "Cluster":
         shutil.chown(self.datadir, "postgres", "postgres") if os.geteuid() == 0 else None
         as_postgres(str(self.bindir / "initdb"), "-D", str(self.datadir), "-A", "trust",
-                    "-U", "postgres", "--no-sync")
+                    "-U", "postgres", "--no-sync", *(initdb_args or []))
         with open(self.datadir / "postgresql.conf", "a") as conf:
             for key, value in self.settings.items():
                 conf.write(f"{key} = {value}\n")

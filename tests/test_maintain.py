@@ -253,7 +253,7 @@ def test_a_prepared_transaction_keeps_its_partition(db, connect):
 
 
 def test_partitions_made_by_create_extension_can_be_dropped_too(db):
-    """CREATE EXTENSION's partitions belong to the extension; maintain must still let them go."""
+    """Partitions CREATE EXTENSION made before 0.6.0 belong to the extension; maintain still lets them go."""
     db.execute("SELECT outbox.create_consumer('c')")
     insert_event_at(db, "old", "-10 days")
     maintain(db)

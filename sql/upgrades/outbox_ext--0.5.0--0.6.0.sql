@@ -10,7 +10,15 @@
 -- - Sink settings are checked as the worker uses them: a secret's key length, header names
 --   and values, CA certificates (outbox._check_sink_settings). Sinks saved earlier that fail
 --   the check are reported with a WARNING here and left as they are.
--- Events, consumers, cursors, parked keys and dead letters are not touched.
+-- - Backups: pg_dump brings back everything a running outbox holds (sql/dump.sql marks the
+--   extension's tables); a restored state is recognised and rebased onto the restoring
+--   cluster's transaction ids (sql/restore.sql: outbox._origin, two new cursor columns). Dated
+--   partitions leave the extension (pg_dump then writes them whole), and their index (events)
+--   or unique key (inbox) moves from the parent to each partition, so that a restore does not
+--   make them twice: the parent's index and key are dropped and each partition's made, which
+--   rebuilds them (an UPDATE of a large outbox takes that long).
+-- - DROP EXTENSION outbox_ext is refused while events are undelivered (sql/drop_guard.sql).
+--   Events, consumers, cursors, parked keys and dead letters are kept as they are.
 --
 -- Rerunnable. Each "-- @include" line stands for that file of sql/, expanded when the
 -- extension is installed (scripts/lib.sh); freeze this file (expand them) when a later
@@ -18,6 +26,13 @@
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.6.0'" to load this file. \quit
 
 -- @include roles.sql
+
+ALTER TABLE outbox._cursor_log ADD COLUMN IF NOT EXISTS restored_seq bigint,
+                               ADD COLUMN IF NOT EXISTS restored_top xid8;
+DROP INDEX IF EXISTS outbox.events_read_idx;                -- with the partitions' copies
+ALTER TABLE inbox.messages DROP CONSTRAINT IF EXISTS messages_pkey;
+
+-- @include claim.sql
 
 -- As pgrx declares it (src/sinks/check.rs).
 CREATE OR REPLACE FUNCTION outbox."_check_sink_settings"(
@@ -31,6 +46,32 @@ AS 'MODULE_PATHNAME', 'check_sink_settings_wrapper';
 
 -- @include sinks.sql
 -- @include partitions.sql
+-- @include restore.sql
+-- @include status.sql
+-- @include drop_guard.sql
+
+-- Every partition gets its own index or key; dated ones leave the extension.
+DO $partitions$
+DECLARE
+    p record;
+BEGIN
+    FOR p IN SELECT i.inhparent::regclass AS parent, i.inhrelid::regclass AS part,
+                    EXISTS (SELECT FROM pg_catalog.pg_depend d
+                             WHERE d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass
+                               AND d.objid = i.inhrelid AND d.deptype = 'e') AS member
+               FROM pg_catalog.pg_inherits i
+              WHERE i.inhparent IN ('outbox.events'::pg_catalog.regclass, 'inbox.messages'::pg_catalog.regclass)
+                AND i.inhrelid NOT IN ('outbox.events_default'::pg_catalog.regclass,
+                                       'inbox.messages_default'::pg_catalog.regclass) LOOP
+        IF p.member THEN
+            EXECUTE pg_catalog.format('ALTER EXTENSION outbox_ext DROP TABLE %s', p.part);
+        END IF;
+        PERFORM outbox._index_partition(p.parent, p.part);
+    END LOOP;
+END
+$partitions$;
+
+-- @include dump.sql
 -- @include grants.sql
 
 DO $check$

@@ -35,6 +35,9 @@ pub fn init() {
     if !unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
         return;
     }
+    if unsafe { pg_sys::IsBinaryUpgrade } {
+        return; // pg_upgrade runs this server: nothing may be delivered or written
+    }
     BackgroundWorkerBuilder::new("outbox_ext launcher")
         .set_type("outbox_ext launcher")
         .set_library("outbox_ext")
@@ -194,6 +197,7 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
                 next_maintain = Instant::now() + EXTENSION_CHECK; // also when to look again
                 continue;
             }
+            next_maintain = Instant::now(); // at once: CREATE EXTENSION makes no partitions
         }
         if Instant::now() >= next_maintain {
             maintain();
