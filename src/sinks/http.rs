@@ -2,11 +2,18 @@
 //! reply is judged.
 
 use super::{Config, Outcome, Verdict};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::cell::Cell;
+use std::io::Read;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use ureq::tls::{PemItem, RootCerts, TlsConfig};
+use ureq::unversioned::resolver::DefaultResolver;
+use ureq::unversioned::transport::{
+    time, Buffers, ConnectionDetails, Connector, DefaultConnector, NextTimeout, Transport,
+};
 
-/// Replies are read up to this size; a longer one is cut off (only Kafka reads them).
-const MAX_REPLY_BYTES: u64 = 8 * 1024 * 1024;
+/// Of a reply, at most this much is kept (Kafka REST reads its per-record results there); the
+/// rest is never read: a 2xx is a delivery whatever its body.
+pub const MAX_REPLY_BYTES: u64 = 8 * 1024 * 1024;
 
 pub fn agent(config: &Config) -> Result<ureq::Agent, String> {
     let roots = match &config.tls_ca {
@@ -14,7 +21,7 @@ pub fn agent(config: &Config) -> Result<ureq::Agent, String> {
         None => RootCerts::WebPki,
     };
     let tls = TlsConfig::builder().root_certs(roots).build();
-    let config = ureq::Agent::config_builder()
+    let agent_config = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .max_redirects(0) // a redirected POST is a misconfigured URL: report it, do not follow
         .max_redirects_will_error(false)
@@ -25,7 +32,82 @@ pub fn agent(config: &Config) -> Result<ureq::Agent, String> {
         .user_agent(concat!("outbox_ext/", env!("CARGO_PKG_VERSION")))
         .tls_config(tls)
         .build();
-    Ok(config.into())
+    let connector = DefaultConnector::new().chain(WithDeadline);
+    Ok(ureq::Agent::with_parts(
+        agent_config,
+        connector,
+        DefaultResolver::default(),
+    ))
+}
+
+thread_local! {
+    /// When the request this thread is making must be over (see WithDeadline).
+    static DEADLINE: Cell<Option<Instant>> = const { Cell::new(None) };
+}
+
+/// Ends every exchange at its deadline: ureq's own timeouts bound each wait for the socket,
+/// so a peer that sends a byte every second keeps a request alive for ever. This transport
+/// cuts every wait short at the deadline and fails the first one past it, on fresh and reused
+/// connections alike (it wraps the socket, plain or TLS).
+#[derive(Debug)]
+struct WithDeadline;
+
+impl Connector<Box<dyn Transport>> for WithDeadline {
+    type Out = Deadlined;
+
+    fn connect(
+        &self,
+        _: &ConnectionDetails,
+        chained: Option<Box<dyn Transport>>,
+    ) -> Result<Option<Deadlined>, ureq::Error> {
+        Ok(chained.map(|inner| Deadlined { inner }))
+    }
+}
+
+#[derive(Debug)]
+struct Deadlined {
+    inner: Box<dyn Transport>,
+}
+
+impl Deadlined {
+    /// The wait ureq asked for, cut at the deadline; Err once it has passed.
+    fn bounded(timeout: NextTimeout) -> Result<NextTimeout, ureq::Error> {
+        let Some(deadline) = DEADLINE.with(Cell::get) else {
+            return Ok(timeout);
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ureq::Error::Timeout(ureq::Timeout::Global));
+        }
+        let cut = match timeout.after {
+            time::Duration::Exact(d) if d <= left => return Ok(timeout),
+            _ => time::Duration::Exact(left),
+        };
+        Ok(NextTimeout {
+            after: cut,
+            reason: ureq::Timeout::Global,
+        })
+    }
+}
+
+impl Transport for Deadlined {
+    fn buffers(&mut self) -> &mut dyn Buffers {
+        self.inner.buffers()
+    }
+
+    fn transmit_output(&mut self, amount: usize, timeout: NextTimeout) -> Result<(), ureq::Error> {
+        self.inner.transmit_output(amount, Self::bounded(timeout)?)
+    }
+
+    fn await_input(&mut self, timeout: NextTimeout) -> Result<bool, ureq::Error> {
+        let got = self.inner.await_input(Self::bounded(timeout)?)?;
+        Self::bounded(timeout)?; // past the deadline, whatever came is too late
+        Ok(got)
+    }
+
+    fn is_open(&mut self) -> bool {
+        self.inner.is_open()
+    }
 }
 
 /// The certificates of a PEM text; fails unless there is at least one and each is an X.509
@@ -95,12 +177,29 @@ pub struct Reply {
     pub body: String,
 }
 
-/// POSTs `body`; Err is a transport failure (connect, TLS, timeout, reset).
+/// POSTs `body` and reads at most `keep` bytes of the reply, all within `timeout` (connect,
+/// send, wait, headers and body); Err is a transport failure (connect, TLS, timeout, reset)
+/// before the status came. A reply that stops or stalls after its status keeps what came.
 pub fn post(
     agent: &ureq::Agent,
     url: &str,
     headers: &[(String, String)],
     body: &[u8],
+    timeout: Duration,
+    keep: u64,
+) -> Result<Reply, String> {
+    DEADLINE.with(|d| d.set(Some(Instant::now() + timeout)));
+    let reply = exchange(agent, url, headers, body, keep);
+    DEADLINE.with(|d| d.set(None));
+    reply
+}
+
+fn exchange(
+    agent: &ureq::Agent,
+    url: &str,
+    headers: &[(String, String)],
+    body: &[u8],
+    keep: u64,
 ) -> Result<Reply, String> {
     let mut request = agent.post(url);
     for (name, value) in headers {
@@ -115,17 +214,18 @@ pub fn post(
         .get("retry-after")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| parse_retry_after(v, SystemTime::now()));
-    let body = response
-        .body_mut()
-        .with_config()
-        .limit(MAX_REPLY_BYTES)
-        .lossy_utf8(true)
-        .read_to_string()
-        .map_err(|e| format!("HTTP {status}, reading the reply: {e}"))?;
+    let mut kept = Vec::new();
+    // unlimited: the reader itself stops after `keep` bytes, and the rest is never read (the
+    // connection is then closed, not reused)
+    let reader = response.body_mut().with_config().limit(u64::MAX).reader();
+    let read = reader.take(keep).read_to_end(&mut kept);
+    if let (Err(e), false) = (read, (200..300).contains(&status)) {
+        return Err(format!("HTTP {status}, reading the reply: {e}"));
+    }
     Ok(Reply {
         status,
         retry_after,
-        body,
+        body: String::from_utf8_lossy(&kept).into_owned(),
     })
 }
 

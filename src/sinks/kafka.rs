@@ -122,7 +122,8 @@ fn post_records(agent: &ureq::Agent, config: &Config, topic: &str, events: &[&Ev
     ];
     headers.extend(config.http_headers.iter().cloned());
     let what = format!("Kafka REST (topic {topic})");
-    match http::post(agent, &url, &headers, body.as_bytes()) {
+    let (timeout, keep) = (config.request_timeout, http::MAX_REPLY_BYTES);
+    match http::post(agent, &url, &headers, body.as_bytes(), timeout, keep) {
         Err(error) => Outcome::SinkDown {
             error: format!("{what}: {error}"),
             retry_after: None,

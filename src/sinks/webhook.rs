@@ -87,7 +87,16 @@ fn post(
     };
     let id = message_id(events);
     let headers = request_headers(config, signer, &id, body.as_bytes(), events.len());
-    match http::post(agent, &config.url, &headers, body.as_bytes()) {
+    // a 2xx delivers: of its body only what an error message could show is read
+    let keep = 4096;
+    match http::post(
+        agent,
+        &config.url,
+        &headers,
+        body.as_bytes(),
+        config.request_timeout,
+        keep,
+    ) {
         Err(error) => Outcome::SinkDown {
             error: format!("webhook: {error}"),
             retry_after: None,

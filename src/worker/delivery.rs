@@ -138,8 +138,14 @@ impl Delivery {
     fn reload(&mut self) -> Result<(), String> {
         self.next_reload = Instant::now() + RELOAD;
         let rows = deliver::load_sinks()?;
-        self.sinks
-            .retain(|name, _| rows.iter().any(|r| r.config.name == *name));
+        let gone: Vec<String> = (self.sinks.keys())
+            .filter(|name| !rows.iter().any(|r| r.config.name == **name))
+            .cloned()
+            .collect();
+        for name in gone {
+            self.sinks.remove(&name);
+            self.pool.forget(&name);
+        }
         for row in rows {
             let unchanged = self
                 .sinks
@@ -233,6 +239,7 @@ impl Delivery {
             // so that it is not sent again when the sink comes back (a dropped sink's
             // consumer is gone, and the statement fails harmlessly)
             let _ = deliver::settle(&done.batch, &done.outcome, Duration::ZERO);
+            self.pool.forget(&done.batch.sink);
             return;
         };
         let pause = match &done.outcome {

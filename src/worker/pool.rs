@@ -2,6 +2,9 @@
 //! outcome; they never call into PostgreSQL (no pgrx, no palloc, no ereport) and run with every
 //! signal blocked, so PostgreSQL's handlers only ever run on the worker's main thread. Each
 //! finished batch writes a byte to a socket the main thread waits on next to its latch.
+//!
+//! Each sink has threads of its own, as many as it has batches in flight (at most its
+//! `concurrency`): a sink that hangs holds only its own threads, never another sink's.
 
 use crate::sinks::{Client, Event, Outcome};
 use std::collections::HashMap;
@@ -12,9 +15,6 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// More threads than this would only queue on the same sockets.
-const MAX_THREADS: usize = 64;
 
 /// A claimed batch: the events of one shard under one lease epoch.
 pub struct Batch {
@@ -36,14 +36,19 @@ struct Job {
 }
 
 pub struct Pool {
-    jobs: Sender<Job>,
-    queue: Arc<Mutex<Receiver<Job>>>,
+    sinks: HashMap<String, SinkThreads>,
     done_tx: Sender<Done>,
     done: Receiver<Done>,
     wake_tx: Arc<UnixStream>,
     wake_rx: UnixStream,
+}
+
+/// One sink's job queue, its threads and its batches out.
+struct SinkThreads {
+    jobs: Sender<Job>,
+    queue: Arc<Mutex<Receiver<Job>>>,
     threads: usize,
-    in_flight: HashMap<String, usize>,
+    in_flight: usize,
 }
 
 impl Pool {
@@ -51,17 +56,13 @@ impl Pool {
         let (wake_tx, wake_rx) = UnixStream::pair()?;
         wake_rx.set_nonblocking(true)?;
         wake_tx.set_nonblocking(true)?; // a full socket already means "wake up"
-        let (jobs, queue) = channel();
         let (done_tx, done) = channel();
         Ok(Pool {
-            jobs,
-            queue: Arc::new(Mutex::new(queue)),
+            sinks: HashMap::new(),
             done_tx,
             done,
             wake_tx: Arc::new(wake_tx),
             wake_rx,
-            threads: 0,
-            in_flight: HashMap::new(),
         })
     }
 
@@ -71,20 +72,38 @@ impl Pool {
     }
 
     pub fn in_flight(&self, sink: &str) -> usize {
-        self.in_flight.get(sink).copied().unwrap_or(0)
+        self.sinks.get(sink).map_or(0, |s| s.in_flight)
     }
 
     pub fn total_in_flight(&self) -> usize {
-        self.in_flight.values().sum()
+        self.sinks.values().map(|s| s.in_flight).sum()
     }
 
+    /// Hands the batch to one of its sink's threads, starting one if all are busy.
     pub fn submit(&mut self, client: Arc<Client>, batch: Batch) {
-        *self.in_flight.entry(batch.sink.clone()).or_default() += 1;
-        if self.threads < self.total_in_flight().min(MAX_THREADS) {
-            self.spawn();
+        let sink = self.sinks.entry(batch.sink.clone()).or_insert_with(|| {
+            let (jobs, queue) = channel();
+            SinkThreads {
+                jobs,
+                queue: Arc::new(Mutex::new(queue)),
+                threads: 0,
+                in_flight: 0,
+            }
+        });
+        sink.in_flight += 1;
+        if sink.threads < sink.in_flight && spawn(&sink.queue, &self.done_tx, &self.wake_tx) {
+            sink.threads += 1;
         }
-        // the receiving end lives in self.queue: sending cannot fail while self lives
-        let _ = self.jobs.send(Job { client, batch });
+        // the receiving end lives in sink.queue: sending cannot fail while it lives
+        let _ = sink.jobs.send(Job { client, batch });
+    }
+
+    /// A sink that is gone: its threads end once their batches are done (a hung request ends
+    /// at the sink's request_timeout).
+    pub fn forget(&mut self, sink: &str) {
+        if self.in_flight(sink) == 0 {
+            self.sinks.remove(sink); // dropping its sender ends its idle threads
+        }
     }
 
     /// The batches finished since the last call.
@@ -93,26 +112,24 @@ impl Pool {
         while matches!((&self.wake_rx).read(&mut buf), Ok(n) if n > 0) {}
         let done: Vec<Done> = self.done.try_iter().collect();
         for d in &done {
-            if let Some(n) = self.in_flight.get_mut(&d.batch.sink) {
-                *n = n.saturating_sub(1);
+            if let Some(sink) = self.sinks.get_mut(&d.batch.sink) {
+                sink.in_flight = sink.in_flight.saturating_sub(1);
             }
         }
         done
     }
+}
 
-    fn spawn(&mut self) {
-        let queue = Arc::clone(&self.queue);
-        let done = self.done_tx.clone();
-        let wake = Arc::clone(&self.wake_tx);
-        let spawned = with_signals_blocked(|| {
-            std::thread::Builder::new()
-                .name("outbox_ext delivery".into())
-                .spawn(move || deliver_loop(&queue, &done, &wake))
-        });
-        if spawned.is_ok() {
-            self.threads += 1;
-        }
-    }
+/// Starts a delivery thread on `queue`; false if none could be started (the batch then waits
+/// for one of the sink's threads).
+fn spawn(queue: &Arc<Mutex<Receiver<Job>>>, done: &Sender<Done>, wake: &Arc<UnixStream>) -> bool {
+    let (queue, done, wake) = (Arc::clone(queue), done.clone(), Arc::clone(wake));
+    with_signals_blocked(|| {
+        std::thread::Builder::new()
+            .name("outbox_ext delivery".into())
+            .spawn(move || deliver_loop(&queue, &done, &wake))
+    })
+    .is_ok()
 }
 
 fn deliver_loop(queue: &Mutex<Receiver<Job>>, done: &Sender<Done>, wake: &UnixStream) {

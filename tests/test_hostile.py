@@ -1,0 +1,159 @@
+"""Hostile sinks: one that never answers holds only its own delivery threads; request_timeout
+bounds the whole exchange, however slowly a peer trickles; a 2xx is a delivery whatever its
+body, read only a little, never sent again, and the worker's memory stays flat."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+
+from sinks import Receiver, wait_for
+
+
+class Silent:
+    """A listener that accepts connections into its backlog and never reads or answers them."""
+
+    def __init__(self):
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.listen(1024)
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}/hook"
+
+    def close(self):
+        self.socket.close()
+
+
+class Trickle:
+    """Answers `200 OK`: the first `fast` requests at once (keeping the connection open), every
+    later one a byte a second. Records how long each trickled exchange lasted."""
+
+    REPLY = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+    def __init__(self, fast: int = 0):
+        self.fast, self.lasted, self.requests = fast, [], 0
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.listen(64)
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}/hook"
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            try:
+                conn, _ = self.socket.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.connection, args=(conn,), daemon=True).start()
+
+    def read_request(self, conn) -> bool:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return False
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        while len(body) < length:
+            body += conn.recv(65536)
+        return True
+
+    def connection(self, conn):
+        with conn:
+            while self.read_request(conn):
+                self.requests += 1
+                if self.requests <= self.fast:
+                    conn.sendall(self.REPLY)
+                    continue
+                started = time.monotonic()
+                try:
+                    for byte in self.REPLY:
+                        conn.sendall(bytes([byte]))
+                        readable, _, _ = select.select([conn], [], [], 1.0)
+                        if readable and not conn.recv(1):
+                            break                   # the worker hung up: what we measure
+                except OSError:
+                    pass
+                self.lasted.append(time.monotonic() - started)
+                return
+
+    def close(self):
+        self.socket.close()
+
+
+def emit(conn, key: str, n: int = 1) -> list[str]:
+    return [str(conn.execute("SELECT outbox.emit('order', %s, 'e', %s::jsonb)",
+                             (key, json.dumps({"i": i}))).fetchone()[0]) for i in range(n)]
+
+
+def status(conn, sink: str) -> dict:
+    cur = conn.execute("SELECT * FROM outbox.status WHERE consumer = %s", (sink,))
+    return dict(zip([d.name for d in cur.description], cur.fetchone()))
+
+
+def test_hung_sinks_never_take_a_healthy_sinks_capacity(conn, new_sink):
+    silent = [Silent() for _ in range(4)]
+    healthy = Receiver()
+    try:
+        hung = [new_sink("webhook", s.url, concurrency=16, batch_size=1, request_timeout="2 min")
+                for s in silent]
+        for k in range(64):                   # over every shard: each hung sink fills 16 threads
+            emit(conn, f"warm-{k}")
+        wait_for(lambda: all(status(conn, s)["shards_leased"] == 16 for s in hung), timeout=30)
+        sink = new_sink("webhook", healthy.url)
+        probe = emit(conn, "probe")           # the worker has the new sink once this arrives
+        wait_for(lambda: {e["id"] for e in healthy.accepted_events()} >= set(probe), timeout=30)
+        committed = time.time()
+        ids = emit(conn, "late", 5)
+        wait_for(lambda: {e["id"] for e in healthy.accepted_events()} >= set(ids), timeout=30)
+        arrived = max(r.at for r in healthy.requests)
+        assert arrived - committed < 1.0, f"the healthy sink's events took {arrived - committed:.1f} s"
+    finally:
+        for s in silent:
+            s.close()
+        healthy.close()
+
+
+def test_request_timeout_bounds_a_trickled_reply_on_fresh_and_reused_connections(conn, new_sink):
+    for fast in (0, 1):                       # the trickle on a fresh connection, then a reused one
+        peer = Trickle(fast=fast)
+        try:
+            sink = new_sink("webhook", peer.url, request_timeout="3 s", concurrency=1)
+            if fast:
+                emit(conn, "first")           # answered at once: the connection stays open
+                wait_for(lambda: status(conn, sink)["delivered_total"] == 1)
+            emit(conn, "slow")
+            wait_for(lambda: peer.lasted, timeout=30)
+            assert peer.lasted[0] < 4.0, f"the exchange lasted {peer.lasted[0]:.1f} s"
+            wait_for(lambda: "timeout" in (status(conn, sink)["last_sink_error"] or ""))
+            s = status(conn, sink)
+            assert (s["delivered_total"] or 0) == fast and s["pending"] == 1, "a cut exchange is no delivery"
+        finally:
+            peer.close()
+
+
+def test_a_2xx_with_a_huge_body_is_one_delivery_and_memory_stays_flat(cluster, conn, new_sink, deliver_db):
+    huge = b"x" * (50 * 1024 * 1024)
+    receiver = Receiver(lambda r: (200, {}, huge))
+    try:
+        pid = cluster.worker_pid(deliver_db)
+        before = rss_anon(pid)
+        sink = new_sink("webhook", receiver.url, batch_size=100, concurrency=4)
+        ids = [i for k in range(30) for i in emit(conn, f"k{k}", 10)]
+        wait_for(lambda: status(conn, sink)["pending"] == 0, timeout=60)
+        time.sleep(1)
+        got = [e["id"] for e in receiver.accepted_events()]
+        assert sorted(got) == sorted(ids), "each event exactly once: a 2xx is never sent again"
+        assert rss_anon(pid) - before < 20 * 1024, "the worker read no reply whole"
+    finally:
+        receiver.close()
+
+
+def rss_anon(pid: int) -> int:
+    """Private resident memory of a process, in kB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon"))
