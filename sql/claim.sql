@@ -652,8 +652,8 @@ DECLARE
     lo     pg_snapshot := pg_current_snapshot();
     lo_top xid8 := outbox._top(lo, x);
 BEGIN
-    IF name IS NULL OR name = '' THEN
-        RAISE EXCEPTION 'consumer name must not be empty'
+    IF name IS NULL OR name = '' OR length(name) > 128 THEN
+        RAISE EXCEPTION 'consumer name must be 1 to 128 characters'
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Name the consumer after its sink.';
     END IF;
     IF max_attempts IS NULL OR max_attempts < 1 OR backoff_base IS NULL OR backoff_base <= '0'

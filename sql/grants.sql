@@ -65,7 +65,8 @@ GRANT SELECT ON outbox.events, outbox.status, outbox.shard_status TO outbox_rela
 -- what the status views ask of each event (pure functions, inlined into the views' plans;
 -- functions a view calls are checked against whoever reads it)
 GRANT EXECUTE ON FUNCTION outbox._pending(outbox._cursor_log, xid8, bigint),
-                          outbox._pending_floor(outbox._cursor_log) TO outbox_relay;
+                          outbox._pending_floor(outbox._cursor_log),
+                          outbox._routes(outbox.sinks, text, text) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION
     outbox.claim(text, int, interval, text),
     outbox.ack(text, int, bigint),

@@ -52,6 +52,7 @@ CREATE OR REPLACE FUNCTION outbox._check_sink() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    topic   text;
     formats text[] := CASE NEW.kind WHEN 'webhook' THEN ARRAY['batch', 'single']
                                     WHEN 'kafka_rest_v2' THEN ARRAY['json', 'binary']
                                     WHEN 'kafka_rest_v3' THEN ARRAY['json', 'binary', 'string'] END;
@@ -86,6 +87,14 @@ BEGIN
     END IF;
     -- the secret's key, each header, each CA certificate: as the worker will use them (Rust)
     PERFORM outbox._check_sink_settings(NEW.secret, NEW.http_headers, NEW.tls_ca);
+    -- topics filter event topics; a name that topic_map only renames to is a Kafka topic
+    FOR topic IN SELECT t FROM unnest(NEW.topics) AS t
+                  WHERE NEW.topic_map IS NOT NULL AND NOT NEW.topic_map ? t
+                    AND t IN (SELECT v FROM jsonb_each_text(NEW.topic_map) AS m(k, v)) LOOP
+        RAISE NOTICE 'sink "%": topics lists "%", a Kafka topic that topic_map renames to; events are matched by their own topic', NEW.name, topic
+            USING HINT = format('List the event topics instead (%s), or drop topic_map.',
+                                (SELECT string_agg(k, ', ') FROM jsonb_each_text(NEW.topic_map) AS m(k, v) WHERE v = topic));
+    END LOOP;
     IF NEW.kind = 'kafka_rest_v3' AND coalesce(NEW.cluster_id, '') = '' THEN
         RAISE EXCEPTION 'a kafka_rest_v3 sink needs its cluster_id' USING ERRCODE = 'invalid_parameter_value',
             HINT = 'Pass cluster_id => ''...''; GET /v3/clusters on the proxy lists it.';
@@ -94,6 +103,14 @@ BEGIN
     RETURN NEW;
 END
 $$;
+
+-- Whether a sink delivers an event (src/sinks/mod.rs, Config::routes, applies the same rule):
+-- topics match the event's topic, the one it was emitted with or else its aggregate type (the
+-- topic it goes to, before topic_map renames it); aggregate_types its aggregate type.
+CREATE OR REPLACE FUNCTION outbox._routes(sink outbox.sinks, topic text, aggregate_type text) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN (sink.topics IS NULL OR coalesce(topic, aggregate_type) = ANY (sink.topics))
+       AND (sink.aggregate_types IS NULL OR aggregate_type = ANY (sink.aggregate_types));
 
 CREATE OR REPLACE FUNCTION outbox._is_string_map(j jsonb) RETURNS boolean
     LANGUAGE sql IMMUTABLE

@@ -15,6 +15,7 @@ SELECT c.name AS consumer,
        CASE WHEN cur.owner IS NOT NULL AND cur.lease_until > now() THEN cur.owner END AS leased_by,
        cur.at AS last_activity
   FROM outbox.consumers c
+  LEFT JOIN outbox.sinks k ON k.name = c.name
  CROSS JOIN generate_series(0, outbox.shard_count() - 1) AS s(shard)
  CROSS JOIN LATERAL (SELECT * FROM outbox._cursor_log l
                       WHERE l.consumer_id = c.id AND l.shard = s.shard
@@ -23,7 +24,8 @@ SELECT c.name AS consumer,
         SELECT count(*) AS events, min(e.created_at) AS oldest
           FROM outbox.events e
          WHERE e.shard = cur.shard AND e.seq > outbox._pending_floor(cur)
-           AND outbox._pending(cur, e.txid, e.seq)) AS pend;
+           AND outbox._pending(cur, e.txid, e.seq)
+           AND (k.name IS NULL OR outbox._routes(k, e.topic, e.aggregate_type))) AS pend;  -- a sink's own
 COMMENT ON VIEW outbox.shard_status IS
     'Per consumer and shard: pending events, the oldest one and its age, parked keys, who holds the lease.';
 

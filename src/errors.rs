@@ -10,6 +10,12 @@ pub enum OutboxError {
     NullArgument(&'static str),
     /// A required text argument was empty.
     EmptyArgument(&'static str),
+    /// A text argument is longer than emit takes.
+    TooLong {
+        arg: &'static str,
+        bytes: usize,
+        limit: usize,
+    },
     /// The payload is larger than `outbox_ext.max_payload_bytes`.
     PayloadTooLarge { bytes: i64, limit: i64 },
     /// `headers` is not a JSON object whose values are all strings.
@@ -26,7 +32,9 @@ impl OutboxError {
         match self {
             OutboxError::NullArgument(_) => ERRCODE_NULL_VALUE_NOT_ALLOWED,
             OutboxError::EmptyArgument(_) => ERRCODE_INVALID_PARAMETER_VALUE,
-            OutboxError::PayloadTooLarge { .. } => ERRCODE_PROGRAM_LIMIT_EXCEEDED,
+            OutboxError::PayloadTooLarge { .. } | OutboxError::TooLong { .. } => {
+                ERRCODE_PROGRAM_LIMIT_EXCEEDED
+            }
             OutboxError::InvalidHeaders(_) => ERRCODE_INVALID_PARAMETER_VALUE,
             OutboxError::InvalidTopic(_) => ERRCODE_INVALID_NAME,
             OutboxError::InvalidSinkSetting { .. } => ERRCODE_INVALID_PARAMETER_VALUE,
@@ -37,6 +45,9 @@ impl OutboxError {
         match self {
             OutboxError::NullArgument(arg) => format!("{arg} must not be NULL"),
             OutboxError::EmptyArgument(arg) => format!("{arg} must not be empty"),
+            OutboxError::TooLong { arg, bytes, limit } => {
+                format!("{arg} is {bytes} bytes, over the limit of {limit} bytes")
+            }
             OutboxError::PayloadTooLarge { bytes, limit } => {
                 format!("payload is {bytes} bytes, over the limit of {limit} bytes")
             }
@@ -57,6 +68,17 @@ impl OutboxError {
             }
             OutboxError::NullArgument(arg) | OutboxError::EmptyArgument(arg) => {
                 format!("Pass a non-empty {arg}.")
+            }
+            OutboxError::TooLong {
+                arg: "aggregate_id",
+                limit,
+                ..
+            } => format!(
+                "An aggregate id is at most {limit} bytes (it is stored in index entries); \
+                 pass a shorter key, e.g. a hash of this one."
+            ),
+            OutboxError::TooLong { arg, limit, .. } => {
+                format!("A {arg} is at most {limit} bytes.")
             }
             OutboxError::PayloadTooLarge { .. } => {
                 "Store large bodies elsewhere and emit a reference, \

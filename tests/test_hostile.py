@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 
-from sinks import Receiver, wait_for
+from sinks import Receiver, create_sink, wait_for
 
 
 class Silent:
@@ -157,3 +157,37 @@ def rss_anon(pid: int) -> int:
     """Private resident memory of a process, in kB."""
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon"))
+
+
+def test_routing_matches_the_effective_topic_and_sink_figures_count_only_routed_events(conn, new_sink):
+    receiver = Receiver()
+    try:
+        sink = new_sink("webhook", receiver.url, topics=["kq"])
+        conn.execute("UPDATE outbox.sinks SET enabled = false WHERE name = %s", (sink,))
+        for i in range(5):        # routed: aggregate type kq, no topic (its topic is kq), and topic kq
+            conn.execute("SELECT outbox.emit('kq', %s, 'e', '{}')", (f"a{i}",))
+            conn.execute("SELECT outbox.emit('other', %s, 'e', '{}', NULL, 'kq')", (f"b{i}",))
+        for i in range(30):       # not routed
+            conn.execute("SELECT outbox.emit('other', %s, 'e', '{}')", (f"c{i}",))
+            conn.execute("SELECT outbox.emit('kq', %s, 'e', '{}', NULL, 'elsewhere')", (f"d{i}",))
+        assert status(conn, sink)["pending"] == 10, "pending counts only what the sink delivers"
+        conn.execute("UPDATE outbox.sinks SET enabled = true WHERE name = %s", (sink,))
+        wait_for(lambda: len(receiver.accepted_events()) >= 10)
+        wait_for(lambda: (status(conn, sink)["delivered_total"] or 0) >= 10 and status(conn, sink)["pending"] == 0)
+        time.sleep(2.5)           # the worker writes its figures every 2 s
+        s = status(conn, sink)
+        assert s["delivered_total"] == 10 and len(receiver.accepted_events()) == 10
+    finally:
+        receiver.close()
+
+
+def test_create_sink_warns_when_topics_name_kafka_topics_of_the_topic_map(db):
+    notices = []
+    db.add_notice_handler(lambda d: notices.append(d.message_primary))
+    create_sink(db, "k", "kafka_rest_v2", "http://127.0.0.1:9", topics=["orders-v2"],
+                topic_map='{"orders": "orders-v2"}')
+    assert any("orders-v2" in n and "topic_map" in n for n in notices)
+    notices.clear()
+    create_sink(db, "k2", "kafka_rest_v2", "http://127.0.0.1:9", topics=["orders"],
+                topic_map='{"orders": "orders-v2"}')
+    assert notices == []

@@ -8,7 +8,8 @@
 //! default one for now()): `Target::open` returns None and `outbox.emit_many`'s plain INSERT,
 //! which does all that, writes instead.
 
-use super::{check_batch_fields, check_payload_size, required, uuid_v7, SHARD_COUNT};
+use super::{check_batch_fields, check_payload_size, check_size, required, uuid_v7};
+use super::{MAX_KEY_BYTES, SHARD_COUNT};
 use crate::errors::OrRaise;
 use crate::gucs;
 use pgrx::pg_sys;
@@ -73,13 +74,12 @@ fn insert_many(
     check_payload_size(payloads.largest(), gucs::max_payload_bytes()).or_raise();
     for i in 0..keys.len() {
         // SAFETY: a non-NULL text datum points to a varlena.
-        let empty = keys
+        let bytes = keys
             .get(i)
-            .map(|k| unsafe { pgrx::varlena::varsize_any_exhdr(k.cast_mut_ptr()) } == 0);
-        match empty {
-            None => required("aggregate_id", None).or_raise(),
-            Some(true) => required("aggregate_id", Some("")).or_raise(),
-            Some(false) => {}
+            .map(|k| unsafe { pgrx::varlena::varsize_any_exhdr(k.cast_mut_ptr()) });
+        match bytes {
+            None => required("aggregate_id", None, MAX_KEY_BYTES).or_raise(),
+            Some(n) => check_size("aggregate_id", n, MAX_KEY_BYTES).or_raise(),
         }
     }
     if keys.len() != payloads.len() {
@@ -150,12 +150,12 @@ impl Elements {
         unsafe { (!*self.nulls.add(i)).then(|| *self.datums.add(i)) }
     }
 
-    /// Size of the largest payload as stored, as pg_column_size counts it.
+    /// Size of the largest payload, uncompressed (see payload_bytes).
     fn largest(&self) -> Option<i64> {
         (0..self.len)
             .filter_map(|i| self.get(i))
             // SAFETY: a non-NULL jsonb datum points to a varlena.
-            .map(|d| unsafe { pg_sys::toast_datum_size(d) as i64 })
+            .map(|d| unsafe { super::payload_bytes(d) })
             .max()
     }
 }

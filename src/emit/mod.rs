@@ -42,6 +42,13 @@ fn uuid_v7() -> Uuid {
     Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
 }
 
+/// Longest aggregate_id emit takes, in bytes: a key is part of the index entries of parked
+/// keys and dead letters, which PostgreSQL caps at about 2.7 kB; a longer key could be
+/// emitted but never parked, retried or dead-lettered.
+pub const MAX_KEY_BYTES: usize = 1024;
+/// Longest aggregate_type and event_type, in bytes.
+pub const MAX_TYPE_BYTES: usize = 255;
+
 /// Checks one event's fields, in argument order; a bad field raises, so nothing is written.
 fn check_event(
     aggregate_type: Option<&str>,
@@ -51,9 +58,9 @@ fn check_event(
     headers: Option<&JsonB>,
     topic: Option<&str>,
 ) {
-    required("aggregate_type", aggregate_type).or_raise();
-    required("aggregate_id", aggregate_id).or_raise();
-    required("event_type", event_type).or_raise();
+    required("aggregate_type", aggregate_type, MAX_TYPE_BYTES).or_raise();
+    required("aggregate_id", aggregate_id, MAX_KEY_BYTES).or_raise();
+    required("event_type", event_type, MAX_TYPE_BYTES).or_raise();
     check_payload_size(payload_bytes, gucs::max_payload_bytes()).or_raise();
     check_routing(headers, topic);
 }
@@ -105,7 +112,7 @@ fn batch_ids(
     aggregate_ids
         .iter()
         .map(|key| {
-            required("aggregate_id", key).or_raise();
+            required("aggregate_id", key, MAX_KEY_BYTES).or_raise();
             uuid_v7()
         })
         .collect()
@@ -118,8 +125,8 @@ fn check_batch_fields(
     headers: Option<&JsonB>,
     topic: Option<&str>,
 ) {
-    required("aggregate_type", aggregate_type).or_raise();
-    required("event_type", event_type).or_raise();
+    required("aggregate_type", aggregate_type, MAX_TYPE_BYTES).or_raise();
+    required("event_type", event_type, MAX_TYPE_BYTES).or_raise();
     check_routing(headers, topic);
 }
 
@@ -133,12 +140,34 @@ fn check_routing(headers: Option<&JsonB>, topic: Option<&str>) {
     }
 }
 
-pub fn required(name: &'static str, value: Option<&str>) -> Result<(), OutboxError> {
+/// A field that must be there, not empty, and at most `max` bytes.
+pub fn required(name: &'static str, value: Option<&str>, max: usize) -> Result<(), OutboxError> {
     match value {
         None => Err(OutboxError::NullArgument(name)),
-        Some("") => Err(OutboxError::EmptyArgument(name)),
-        Some(_) => Ok(()),
+        Some(value) => check_size(name, value.len(), max),
     }
+}
+
+/// The size check of `required`, for a value known not to be NULL.
+pub fn check_size(name: &'static str, bytes: usize, max: usize) -> Result<(), OutboxError> {
+    match bytes {
+        0 => Err(OutboxError::EmptyArgument(name)),
+        n if n > max => Err(OutboxError::TooLong {
+            arg: name,
+            bytes: n,
+            limit: max,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The size a payload datum has uncompressed, however it came (a literal, a parameter, a
+/// column stored compressed or out of line): what the limit applies to.
+///
+/// # Safety
+/// `payload` must be a jsonb datum (a varlena, possibly toasted).
+pub unsafe fn payload_bytes(payload: pg_sys::Datum) -> i64 {
+    pg_sys::toast_raw_datum_size(payload) as i64
 }
 
 pub fn check_payload_size(bytes: Option<i64>, limit: i64) -> Result<(), OutboxError> {
@@ -224,11 +253,20 @@ mod tests {
 
     #[test]
     fn required_fields() {
-        assert_eq!(required("k", None), Err(OutboxError::NullArgument("k")));
+        assert_eq!(required("k", None, 3), Err(OutboxError::NullArgument("k")));
         assert_eq!(
-            required("k", Some("")),
+            required("k", Some(""), 3),
             Err(OutboxError::EmptyArgument("k"))
         );
-        assert!(required("k", Some(" ")).is_ok());
+        assert!(required("k", Some(" "), 3).is_ok());
+        assert!(required("k", Some("abc"), 3).is_ok());
+        assert_eq!(
+            required("k", Some("abcd"), 3),
+            Err(OutboxError::TooLong {
+                arg: "k",
+                bytes: 4,
+                limit: 3
+            })
+        );
     }
 }

@@ -40,7 +40,7 @@ pub unsafe extern "C-unwind" fn outbox_emit(fcinfo: pg_sys::FunctionCallInfo) ->
         text(AGGREGATE_TYPE),
         text(AGGREGATE_ID),
         text(EVENT_TYPE),
-        payload.map(|p| pg_sys::toast_datum_size(p) as i64),
+        payload.map(|p| super::payload_bytes(p)),
         pgrx::pg_getarg::<JsonB>(fcinfo, HEADERS).as_ref(),
         text(TOPIC),
     );

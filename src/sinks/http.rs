@@ -108,6 +108,10 @@ impl Transport for Deadlined {
     fn is_open(&mut self) -> bool {
         self.inner.is_open()
     }
+
+    fn is_tls(&self) -> bool {
+        self.inner.is_tls() // ureq refuses an https URL over a transport that says it is not
+    }
 }
 
 /// The certificates of a PEM text; fails unless there is at least one and each is an X.509

@@ -325,7 +325,7 @@ mod tests {
             Outcome::Events(vs) => vs
                 .iter()
                 .map(|v| match v {
-                    Verdict::Delivered => "ok",
+                    Verdict::Delivered | Verdict::Skipped => "ok",
                     Verdict::Retry { .. } => "retry",
                     Verdict::Reject { .. } => "reject",
                 })

@@ -77,13 +77,12 @@ pub struct Config {
 
 impl Config {
     /// Events outside the sink's routing are skipped (acknowledged without a request).
+    /// `topics` matches the event's topic: the one it was emitted with, else its aggregate
+    /// type (the topic it is sent to, before `topic_map` renames it); as outbox._routes.
     pub fn routes(&self, event: &Event) -> bool {
-        let topic_ok = self.topics.as_ref().is_none_or(|topics| {
-            event
-                .topic
-                .as_ref()
-                .is_some_and(|t| topics.iter().any(|x| x == t))
-        });
+        let topic = event.topic.as_deref().unwrap_or(&event.aggregate_type);
+        let topic_ok =
+            (self.topics.as_ref()).is_none_or(|topics| topics.iter().any(|x| x == topic));
         let type_ok = self
             .aggregate_types
             .as_ref()
@@ -96,6 +95,8 @@ impl Config {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {
     Delivered,
+    /// Not for this sink (its routing): acknowledged without a request, and not counted.
+    Skipped,
     /// Failed, may succeed later: the key is parked and retried with backoff.
     Retry {
         error: String,
@@ -164,7 +165,7 @@ impl Client {
                 .into_iter()
                 .partition(|&i| self.config.routes(&events[i]));
             for i in skipped {
-                tally.set(i, Verdict::Delivered);
+                tally.set(i, Verdict::Skipped);
             }
             if routed.is_empty() {
                 continue;
@@ -358,7 +359,7 @@ mod tests {
     #[test]
     fn a_sink_down_at_the_first_request_gives_the_batch_back() {
         let mut tally = Tally::new(3);
-        tally.set(2, Verdict::Delivered); // skipped by routing: not a delivery
+        tally.set(2, Verdict::Skipped); // skipped by routing: not a delivery
         assert_eq!(tally.record(&[0, 1], down()), Some(down()));
     }
 

@@ -241,6 +241,7 @@ fn settle_events(
                 settled.delivered += 1;
                 continue;
             }
+            Verdict::Skipped => continue, // not this sink's: acked, not counted
             Verdict::Retry { error, retry_after } => ("nack", error, *retry_after),
             Verdict::Reject { error } => ("reject", error, None),
         };
