@@ -180,6 +180,7 @@ AS $$
 DECLARE
     c outbox.consumers;
 BEGIN
+    PERFORM outbox._not_null(name IS NULL, 'consumer', 'the function');
     PERFORM outbox._rebase_if_restored();
     SELECT * INTO c FROM outbox.consumers WHERE consumers.name = _consumer.name;
     IF NOT FOUND THEN
@@ -188,6 +189,33 @@ BEGIN
                   HINT = 'Create it with outbox.create_consumer(name).';
     END IF;
     RETURN c;
+END
+$$;
+
+-- The one NULL check of the API's arguments: 22004, naming the argument and the function.
+CREATE OR REPLACE FUNCTION outbox._not_null(is_null boolean, arg text, func text) RETURNS void
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF is_null THEN
+        RAISE EXCEPTION '% must not be NULL', arg
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = format('Pass %s to %s; the README lists every argument.', arg, func);
+    END IF;
+END
+$$;
+
+-- An interval argument: positive (or zero, if zero_ok) and at most max, else 22023.
+CREATE OR REPLACE FUNCTION outbox._check_interval(v interval, arg text, max interval, zero_ok boolean)
+RETURNS void
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF v < '0' OR (v = '0' AND NOT zero_ok) OR v > max THEN
+        RAISE EXCEPTION '% % is out of range', arg, v
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = format('%s is %s to %s.', arg, CASE WHEN zero_ok THEN '0' ELSE 'more than 0' END, max);
+    END IF;
 END
 $$;
 
@@ -422,6 +450,8 @@ AS $$
 DECLARE
     cur outbox._cursor_log;
 BEGIN
+    PERFORM outbox._not_null(shard IS NULL, 'shard', 'the function (the shard a claimed row came with)');
+    PERFORM outbox._not_null(epoch IS NULL, 'epoch', 'the function (the epoch a claimed row came with)');
     PERFORM outbox._check_shard(shard);
     PERFORM FROM outbox._shards s
      WHERE s.consumer_id = _leased.consumer_id AND s.shard = _leased.shard FOR UPDATE;
@@ -652,12 +682,18 @@ DECLARE
     lo     pg_snapshot := pg_current_snapshot();
     lo_top xid8 := outbox._top(lo, x);
 BEGIN
-    IF name IS NULL OR name = '' OR length(name) > 128 THEN
+    PERFORM outbox._not_null(name IS NULL, 'name', 'outbox.create_consumer');
+    PERFORM outbox._not_null(from_beginning IS NULL, 'from_beginning', 'outbox.create_consumer');
+    PERFORM outbox._not_null(max_attempts IS NULL, 'max_attempts', 'outbox.create_consumer');
+    PERFORM outbox._not_null(backoff_base IS NULL, 'backoff_base', 'outbox.create_consumer');
+    PERFORM outbox._not_null(backoff_max IS NULL, 'backoff_max', 'outbox.create_consumer');
+    IF name = '' OR length(name) > 128 THEN
         RAISE EXCEPTION 'consumer name must be 1 to 128 characters'
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Name the consumer after its sink.';
     END IF;
-    IF max_attempts IS NULL OR max_attempts < 1 OR backoff_base IS NULL OR backoff_base <= '0'
-       OR backoff_max IS NULL OR backoff_max < backoff_base THEN
+    PERFORM outbox._check_interval(backoff_base, 'backoff_base', '30 days', false);
+    PERFORM outbox._check_interval(backoff_max, 'backoff_max', '30 days', false);
+    IF max_attempts < 1 OR backoff_max < backoff_base THEN
         RAISE EXCEPTION 'invalid retry policy (max_attempts %, backoff % to %)',
                 max_attempts, backoff_base, backoff_max
             USING ERRCODE = 'invalid_parameter_value',
@@ -699,6 +735,7 @@ CREATE OR REPLACE FUNCTION outbox.drop_consumer(name text) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
+    PERFORM outbox._not_null(name IS NULL, 'name', 'outbox.drop_consumer');
     -- Its shards first, in order, as claims and acks take them before they write a cursor row
     -- (whose key check waits for the consumer row): deleting the consumer first would deadlock
     -- with an ack under way.
@@ -745,14 +782,12 @@ BEGIN
        < now() - interval '1 second' THEN
         INSERT INTO outbox._marks (top, seq) VALUES (x, seq_mark) ON CONFLICT DO NOTHING;
     END IF;
-    IF batch_size IS NULL OR batch_size < 1 OR batch_size > 100000 THEN
+    PERFORM outbox._not_null(batch_size IS NULL, 'batch_size', 'outbox.claim');
+    PERFORM outbox._not_null(lease IS NULL, 'lease', 'outbox.claim');
+    PERFORM outbox._check_interval(lease, 'lease', '1 day', false);
+    IF batch_size < 1 OR batch_size > 100000 THEN
         RAISE EXCEPTION 'batch_size % is out of range', batch_size
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass 1 to 100000.';
-    END IF;
-    IF lease IS NULL OR lease <= '0' THEN
-        RAISE EXCEPTION 'lease % is not positive', lease
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Pass a lease longer than a delivery takes, e.g. ''30 seconds''.';
     END IF;
     FOR i IN 0 .. n - 1 LOOP
         s := (start + i) % n;
@@ -811,10 +846,15 @@ CREATE OR REPLACE FUNCTION outbox._fail(consumer text, shard int, epoch bigint, 
 AS $$
 DECLARE
     c   outbox.consumers := outbox._consumer(consumer);
-    cur outbox._cursor_log := outbox._leased(c.id, shard, epoch);
+    cur outbox._cursor_log;
     ev  outbox.events;
     key text;
 BEGIN
+    PERFORM outbox._not_null(event_id IS NULL, 'event_id', 'nack or reject');
+    IF retry_after IS NOT NULL THEN
+        PERFORM outbox._check_interval(retry_after, 'retry_after', '30 days', true);
+    END IF;
+    cur := outbox._leased(c.id, shard, epoch);
     IF event_id = ANY (cur.heads) THEN
         SELECT q.aggregate_id INTO key FROM outbox._parked_events q
          WHERE q.consumer_id = c.id AND q.id = _fail.event_id;
@@ -865,8 +905,11 @@ CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint
 AS $$
 DECLARE
     c   outbox.consumers := outbox._consumer(consumer);
-    cur outbox._cursor_log := outbox._leased(c.id, shard, epoch);
+    cur outbox._cursor_log;
 BEGIN
+    PERFORM outbox._not_null(retry_after IS NULL, 'retry_after', 'outbox.release');
+    PERFORM outbox._check_interval(retry_after, 'retry_after', '30 days', true);
+    cur := outbox._leased(c.id, shard, epoch);
     cur.owner := NULL;
     cur.lease_until := CASE WHEN retry_after > '0' THEN now() + retry_after END;
     cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
@@ -886,6 +929,7 @@ DECLARE
     cur outbox._cursor_log;
     n   int := 0;
 BEGIN
+    PERFORM outbox._not_null(owner IS NULL, 'owner', 'outbox.release_owner');
     FOR s IN SELECT sh.shard FROM outbox._shards sh WHERE sh.consumer_id = c.id
               ORDER BY sh.shard FOR UPDATE LOOP
         cur := outbox._cursor(c.id, s);

@@ -32,10 +32,14 @@ CREATE OR REPLACE FUNCTION inbox.claim(message_id uuid, consumer text) RETURNS b
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    IF message_id IS NULL OR consumer IS NULL OR consumer = '' THEN
-        RAISE EXCEPTION 'message_id and consumer must not be NULL or empty'
+    IF message_id IS NULL OR consumer IS NULL THEN
+        RAISE EXCEPTION '% must not be NULL', CASE WHEN message_id IS NULL THEN 'message_id' ELSE 'consumer' END
             USING ERRCODE = 'null_value_not_allowed',
                   HINT = 'Pass the event id you received and your consumer''s name.';
+    END IF;
+    IF consumer = '' THEN
+        RAISE EXCEPTION 'consumer must not be empty'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass your consumer''s name.';
     END IF;
     INSERT INTO inbox.messages (message_id, consumer) VALUES (claim.message_id, claim.consumer)
     ON CONFLICT DO NOTHING;

@@ -57,6 +57,20 @@ DECLARE
                                     WHEN 'kafka_rest_v2' THEN ARRAY['json', 'binary']
                                     WHEN 'kafka_rest_v3' THEN ARRAY['json', 'binary', 'string'] END;
 BEGIN
+    PERFORM outbox._not_null(NEW.kind IS NULL, 'kind', 'outbox.create_sink');
+    PERFORM outbox._not_null(NEW.url IS NULL, 'url', 'outbox.create_sink');
+    PERFORM outbox._not_null(NEW.batch_size IS NULL, 'batch_size', 'outbox.create_sink');
+    PERFORM outbox._not_null(NEW.concurrency IS NULL, 'concurrency', 'outbox.create_sink');
+    PERFORM outbox._not_null(NEW.connect_timeout IS NULL, 'connect_timeout', 'outbox.create_sink');
+    PERFORM outbox._not_null(NEW.request_timeout IS NULL, 'request_timeout', 'outbox.create_sink');
+    PERFORM outbox._not_null(NEW.enabled IS NULL, 'enabled', 'outbox.sinks');
+    IF cardinality(NEW.topics) = 0 OR cardinality(NEW.aggregate_types) = 0
+       OR array_position(NEW.topics, NULL) IS NOT NULL
+       OR array_position(NEW.aggregate_types, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION 'topics and aggregate_types must be NULL (all) or lists of names'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'An empty list or a NULL in one would match nothing: pass NULL for all.';
+    END IF;
     IF formats IS NULL THEN
         RAISE EXCEPTION 'unknown sink kind "%"', NEW.kind USING ERRCODE = 'invalid_parameter_value',
             HINT = 'kind is webhook, kafka_rest_v2 or kafka_rest_v3.';

@@ -350,9 +350,11 @@ class KafkaRestFront(_Server):
             return self.error(422, 42201, "records must not be empty")
         if self.too_many(body["records"]):
             return self.error(413, 413, "Request Entity Too Large")
+        # as a real proxy serializes: binary, the bytes; json, the JSON text (a key "k1" is
+        # stored as the 4 bytes "k1" with its quotes); a null value, a Kafka null
         binary = "binary" in content_type
         decode = (lambda v: base64.b64decode(v)) if binary else (lambda v: json.dumps(v).encode())
-        records = [(r["key"].encode() if not binary else base64.b64decode(r["key"]), decode(r["value"]), [])
+        records = [(decode(r["key"]), None if r.get("value") is None else decode(r["value"]), [])
                    for r in body["records"]]
         reports = self.produce(topic, records)
         old = self.faults.variant == "old"
@@ -390,7 +392,7 @@ class KafkaRestFront(_Server):
             kind, value = part["type"], part["data"]
             return base64.b64decode(value) if kind == "BINARY" else (
                 value.encode() if kind == "STRING" else json.dumps(value).encode())
-        produced = self.produce(topic, [(data(r["key"]), data(r["value"]),
+        produced = self.produce(topic, [(data(r["key"]), data(r["value"]) if r.get("value") else None,
                                          [(h["name"], base64.b64decode(h["value"]) if h.get("value") else None)
                                           for h in r.get("headers", [])]) for r in records])
         out = []

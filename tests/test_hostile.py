@@ -191,3 +191,18 @@ def test_create_sink_warns_when_topics_name_kafka_topics_of_the_topic_map(db):
     create_sink(db, "k2", "kafka_rest_v2", "http://127.0.0.1:9", topics=["orders"],
                 topic_map='{"orders": "orders-v2"}')
     assert notices == []
+
+
+def test_emit_headers_reach_a_webhook_as_http_headers(conn, new_sink):
+    receiver = Receiver()
+    try:
+        new_sink("webhook", receiver.url, format="single")
+        conn.execute("""SELECT outbox.emit('order', 'h1', 'e', '{}', '{"traceparent": "00-abc-def-01",
+                        "tracestate": "x=1", "bad name": "v", "content-type": "text/evil"}')""")
+        wait_for(lambda: receiver.requests)
+        request = receiver.requests[0]
+        assert request.headers["traceparent"] == "00-abc-def-01" and request.headers["tracestate"] == "x=1"
+        assert request.headers["content-type"] == "application/json", "the sink's own headers win"
+        assert request.events()[0]["headers"]["bad name"] == "v", "all of them in the body"
+    finally:
+        receiver.close()

@@ -167,3 +167,24 @@ def test_a_request_too_large_is_split(conn, new_sink, tansu, front, topic, kind)
     assert len(records) == 24
     check_partitions(records, sent)
     assert conn.execute("SELECT count(*) FROM outbox.dead_letters WHERE consumer = %s", (sink,)).fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("kind,fmt", [("kafka_rest_v2", "json"), ("kafka_rest_v2", "binary"),
+                                      ("kafka_rest_v3", "json"), ("kafka_rest_v3", "binary")])
+def test_a_null_payload_is_a_tombstone_and_keys_are_their_raw_bytes(conn, new_sink, tansu, front, topic, kind, fmt):
+    options = {"cluster_id": KafkaRestFront.CLUSTER} if kind == "kafka_rest_v3" else {}
+    new_sink(kind, front.url, format=fmt, **options)
+    conn.execute("SELECT outbox.emit('order', 'k\u00e9-1', 'order.deleted', NULL, NULL, %s)", (topic,))
+    conn.execute("SELECT outbox.emit('order', 'k\u00e9-1', 'order.created', '{\"a\": 1}', NULL, %s)", (topic,))
+    records = tansu.read(topic, 2, expect=2)
+    assert [r["key"] for r in records] == ["k\u00e9-1".encode()] * 2, "the aggregate id's bytes, no quotes"
+    assert records[0]["value"] is None, "a NULL payload is a Kafka null value"
+    assert json.loads(records[1]["value"]) == {"a": 1}
+
+
+def test_a_derived_topic_that_is_no_kafka_topic_dead_letters_the_event(conn, new_sink, front):
+    sink = new_sink("kafka_rest_v2", front.url)
+    conn.execute("SELECT outbox.emit('..', 'k1', 'e', '{}')")   # no topic: its aggregate type
+    error = wait_for(lambda: conn.execute(
+        "SELECT last_error FROM outbox.dead_letters WHERE consumer = %s", (sink,)).fetchone())[0]
+    assert "not a valid Kafka topic name" in error

@@ -1,5 +1,10 @@
-//! Kafka REST sink (Confluent REST Proxy v2 and v3). The record key is the aggregate id, so
-//! Kafka keeps each key's events in one partition, in order. A proxy publishes the records of a
+//! Kafka REST sink (Confluent REST Proxy v2 and v3). The record key is the aggregate id's raw
+//! bytes (v2 sends key and value in the binary embedded format whatever the sink's format: in
+//! v2's json format a proxy would store the key JSON-encoded, quotes included, and partition
+//! it unlike any other producer of that key; v3 sends it as a STRING), so Kafka keeps each
+//! key's events in one partition, in order. A NULL payload is a Kafka null value (a
+//! tombstone). A topic derived from an aggregate type that is no valid Kafka topic name
+//! dead-letters the event. A proxy publishes the records of a
 //! request independently, so a record of a key must never share a request with a later record
 //! of the same key: if the first failed, the second would be published ahead of it. A batch is
 //! therefore sent per Kafka topic in rounds (round r holds the r-th event of every key: one
@@ -23,6 +28,19 @@ pub fn send(agent: &ureq::Agent, config: &Config, events: &[&Event]) -> Outcome 
     let mut tally = Tally::new(events.len());
     let mut failed: HashSet<&str> = HashSet::new();
     for (topic, indexes) in by_topic(config, events) {
+        if crate::emit::check_topic(&topic).is_err() {
+            let error = format!("Kafka REST: \"{topic}\" is not a valid Kafka topic name");
+            for &i in &indexes {
+                tally.set(
+                    i,
+                    Verdict::Reject {
+                        error: error.clone(),
+                    },
+                );
+                failed.insert(events[i].aggregate_id.as_str());
+            }
+            continue;
+        }
         let part: Vec<&Event> = indexes.iter().map(|&i| events[i]).collect();
         for round in rounds(&part) {
             let (held, sent): (Vec<usize>, Vec<usize>) = round
@@ -102,15 +120,10 @@ fn post_records(agent: &ureq::Agent, config: &Config, topic: &str, events: &[&Ev
             "application/json",
             v3_body(config, events),
         ),
-        _ if config.format == "binary" => (
-            format!("{base}/topics/{topic_path}"),
-            "application/vnd.kafka.binary.v2+json",
-            v2_body(true, events),
-        ),
         _ => (
             format!("{base}/topics/{topic_path}"),
-            "application/vnd.kafka.json.v2+json",
-            v2_body(false, events),
+            "application/vnd.kafka.binary.v2+json",
+            v2_body(events),
         ),
     };
     let mut headers = vec![
@@ -220,21 +233,20 @@ fn fatal(code: i64) -> bool {
     }
 }
 
-fn v2_body(binary: bool, events: &[&Event]) -> String {
+/// v2 records in the binary embedded format: the key's and the payload's bytes (the payload
+/// as its JSON text), base64; a NULL payload as a null value.
+fn v2_body(events: &[&Event]) -> String {
     let mut out = String::from("{\"records\":[");
     for (i, e) in events.iter().enumerate() {
         if i > 0 {
             out.push(',');
         }
         out.push_str("{\"key\":");
-        if binary {
-            push_json_str(&mut out, &BASE64.encode(&e.aggregate_id));
-            out.push_str(",\"value\":");
-            push_json_str(&mut out, &BASE64.encode(&e.payload));
-        } else {
-            push_json_str(&mut out, &e.aggregate_id);
-            out.push_str(",\"value\":");
-            out.push_str(&e.payload);
+        push_json_str(&mut out, &BASE64.encode(&e.aggregate_id));
+        out.push_str(",\"value\":");
+        match &e.payload {
+            Some(payload) => push_json_str(&mut out, &BASE64.encode(payload)),
+            None => out.push_str("null"),
         }
         out.push('}');
     }
@@ -248,22 +260,27 @@ fn v3_body(config: &Config, events: &[&Event]) -> String {
     for e in events {
         out.push_str("{\"key\":{\"type\":\"STRING\",\"data\":");
         push_json_str(&mut out, &e.aggregate_id);
-        out.push_str("},\"value\":");
-        match config.format.as_str() {
-            "binary" => {
-                out.push_str("{\"type\":\"BINARY\",\"data\":");
-                push_json_str(&mut out, &BASE64.encode(&e.payload));
+        out.push('}');
+        // no value at all: a null value (a tombstone)
+        match (e.payload.as_deref(), config.format.as_str()) {
+            (None, _) => {}
+            (Some(payload), "binary") => {
+                out.push_str(",\"value\":{\"type\":\"BINARY\",\"data\":");
+                push_json_str(&mut out, &BASE64.encode(payload));
+                out.push('}');
             }
-            "string" => {
-                out.push_str("{\"type\":\"STRING\",\"data\":");
-                push_json_str(&mut out, &e.payload);
+            (Some(payload), "string") => {
+                out.push_str(",\"value\":{\"type\":\"STRING\",\"data\":");
+                push_json_str(&mut out, payload);
+                out.push('}');
             }
-            _ => {
-                out.push_str("{\"type\":\"JSON\",\"data\":");
-                out.push_str(&e.payload);
+            (Some(payload), _) => {
+                out.push_str(",\"value\":{\"type\":\"JSON\",\"data\":");
+                out.push_str(payload);
+                out.push('}');
             }
         }
-        out.push_str("},\"headers\":[");
+        out.push_str(",\"headers\":[");
         for (i, (name, value)) in record_headers(e).iter().enumerate() {
             if i > 0 {
                 out.push(',');
@@ -414,7 +431,7 @@ mod tests {
             id: "i1".into(),
             topic: Some("orders".into()),
             event_type: "created".into(),
-            payload: "{\"n\":1}".into(),
+            payload: Some("{\"n\":1}".into()),
             headers: Some("{\"trace\":\"t1\"}".into()),
             ..test_event("42")
         };

@@ -24,8 +24,8 @@ pub struct Event {
     pub aggregate_type: String,
     pub aggregate_id: String,
     pub event_type: String,
-    /// The jsonb payload as JSON text.
-    pub payload: String,
+    /// The jsonb payload as JSON text; None for a NULL payload (a Kafka tombstone).
+    pub payload: Option<String>,
     /// The jsonb headers (an object of strings) as JSON text.
     pub headers: Option<String>,
     /// ISO 8601, with offset.
@@ -303,7 +303,7 @@ pub fn test_event(key: &str) -> Event {
         aggregate_type: String::new(),
         aggregate_id: key.into(),
         event_type: String::new(),
-        payload: "{}".into(),
+        payload: Some("{}".into()),
         headers: None,
         created_at: String::new(),
         attempt: 1,

@@ -86,7 +86,12 @@ fn post(
         batch_json(events)
     };
     let id = message_id(events);
-    let headers = request_headers(config, signer, &id, body.as_bytes(), events.len());
+    let mut headers = request_headers(config, signer, &id, body.as_bytes(), events.len());
+    for (name, value) in event_headers(events) {
+        if !headers.iter().any(|(n, _)| n.eq_ignore_ascii_case(&name)) {
+            headers.push((name, value));
+        }
+    }
     // a 2xx delivers: of its body only what an error message could show is read
     let keep = 4096;
     match http::post(
@@ -162,6 +167,35 @@ fn request_headers(
     headers
 }
 
+/// The emit headers a request carries as HTTP headers (always in the body too): those every
+/// event of the request has, with the same value (all of one event's, when it goes alone),
+/// that are valid HTTP headers and not ones the sink sets itself (http::check_header);
+/// `outbox-header-` is not prefixed, so `traceparent` and `tracestate` reach a receiver as
+/// tracing expects. The sink's own http_headers come first and win.
+fn event_headers(events: &[&Event]) -> Vec<(String, String)> {
+    let parse = |e: &Event| -> Vec<(String, String)> {
+        (e.headers.as_deref())
+            .and_then(|h| {
+                serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(h).ok()
+            })
+            .map(|m| {
+                m.into_iter()
+                    .filter_map(|(k, v)| Some((k, v.as_str()?.to_string())))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let Some((first, rest)) = events.split_first() else {
+        return Vec::new();
+    };
+    let others: Vec<Vec<(String, String)>> = rest.iter().map(|e| parse(e)).collect();
+    parse(first)
+        .into_iter()
+        .filter(|header| others.iter().all(|o| o.contains(header)))
+        .filter(|(name, value)| http::check_header(name, value).is_ok())
+        .collect()
+}
+
 fn batch_json(events: &[&Event]) -> String {
     let mut out = String::from("[");
     for (i, event) in events.iter().enumerate() {
@@ -197,7 +231,7 @@ fn push_event(out: &mut String, e: &Event) {
     out.push_str(",\"event_type\":");
     push_json_str(out, &e.event_type);
     out.push_str(",\"payload\":");
-    out.push_str(&e.payload);
+    out.push_str(e.payload.as_deref().unwrap_or("null"));
     out.push_str(",\"headers\":");
     out.push_str(e.headers.as_deref().unwrap_or("null"));
     out.push_str(",\"created_at\":");
@@ -215,7 +249,7 @@ mod tests {
             id: id.into(),
             aggregate_type: "order".into(),
             event_type: "created".into(),
-            payload: "{\"a\": [1, 2]}".into(),
+            payload: Some("{\"a\": [1, 2]}".into()),
             headers: Some("{\"h\": \"v\"}".into()),
             created_at: "2026-11-29T12:00:00+00:00".into(),
             ..test_event("4\"2")

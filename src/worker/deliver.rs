@@ -176,7 +176,7 @@ pub fn claim(config: &Config, batch_size: i32, lease: Duration) -> Result<Option
                     aggregate_type: text(5).unwrap_or_default(),
                     aggregate_id: text(6).unwrap_or_default(),
                     event_type: text(7).unwrap_or_default(),
-                    payload: text(8).unwrap_or_else(|| "null".into()),
+                    payload: text(8),
                     headers: text(9),
                     created_at: text(10).unwrap_or_default(),
                     attempt: row.get::<i32>(11).ok().flatten().unwrap_or(1),

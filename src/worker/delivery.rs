@@ -312,7 +312,11 @@ impl Delivery {
 fn batch_limit(batch_size: i32, events: &[crate::sinks::Event]) -> i32 {
     let bytes: usize = events
         .iter()
-        .map(|e| e.payload.len() + e.headers.as_ref().map_or(0, String::len) + 200)
+        .map(|e| {
+            e.payload.as_ref().map_or(0, String::len)
+                + e.headers.as_ref().map_or(0, String::len)
+                + 200
+        })
         .sum();
     let per_event = (bytes / events.len().max(1)).max(1);
     ((BATCH_BYTES / per_event).max(1) as i32).min(batch_size)
