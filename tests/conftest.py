@@ -54,6 +54,24 @@ def dbname(cluster):
 
 
 @pytest.fixture
+def new_database(cluster):
+    """new_database(template=None) makes an empty database, or a copy of template; all are
+    dropped after the test."""
+    names = []
+
+    def make(template: str | None = None) -> str:
+        names.append(f"db{next(_counter)}_{os.getpid()}")
+        with cluster.connect() as conn:
+            conn.execute(f"CREATE DATABASE {names[-1]}" + (f" TEMPLATE {template}" if template else ""))
+        return names[-1]
+
+    yield make
+    with cluster.connect() as conn:
+        for name in names:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
 def db(cluster, dbname):
     """An autocommit superuser connection to the test's database."""
     with cluster.connect(dbname) as conn:

@@ -13,7 +13,6 @@ not discard undelivered events.
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import subprocess
@@ -30,7 +29,6 @@ from relay import Relay
 from sinks import Receiver, check_delivery, create_sink, wait_for
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
-_n = itertools.count()
 
 # What must come back, table by table (ordered so that two databases compare row by row).
 CONTENTS = {
@@ -116,7 +114,7 @@ def run(*cmd: str) -> subprocess.CompletedProcess:
 
 
 def dump_and_restore(cluster, source: str, target: str, fmt: str, schema_only: bool = False) -> str:
-    """pg_dump source in fmt, restore into target (a new database); returns stderr of both."""
+    """pg_dump source in fmt, restore into target (an empty database); returns stderr of both."""
     work = Path(tempfile.mkdtemp(prefix="outbox-dump-"))
     shutil.chown(work, "postgres", "postgres") if os.geteuid() == 0 else None
     conn_args = ["-h", "127.0.0.1", "-p", str(cluster.port), "-U", "postgres"]
@@ -126,8 +124,6 @@ def dump_and_restore(cluster, source: str, target: str, fmt: str, schema_only: b
         flag = {"custom": "-Fc", "directory": "-Fd", "plain": "-Fp"}[fmt]
         dumped = run(str(cluster.bindir / "pg_dump"), *conn_args, flag, *extra, "-f", str(path), source)
         assert dumped.returncode == 0, dumped.stderr
-        with cluster.connect() as conn:
-            conn.execute(f"CREATE DATABASE {target}")
         if fmt == "plain":
             restored = run(str(cluster.bindir / "psql"), *conn_args, "-X", "-q", "-v", "ON_ERROR_STOP=1",
                            "--single-transaction", "-d", target, "-f", str(path))
@@ -138,24 +134,6 @@ def dump_and_restore(cluster, source: str, target: str, fmt: str, schema_only: b
         return dumped.stderr + restored.stderr
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-@pytest.fixture
-def databases(cluster):
-    """A factory of database names (dropped after the test)."""
-    names = []
-
-    def make(template: bool = True) -> str:
-        names.append(f"bk{next(_n)}_{os.getpid()}")
-        if template:
-            with cluster.connect() as conn:
-                conn.execute(f"CREATE DATABASE {names[-1]} TEMPLATE {TEMPLATE}")
-        return names[-1]
-
-    yield make
-    with cluster.connect() as conn:
-        for name in names:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def check_resumed(conn, state: dict, after: dict[str, list[str]]) -> None:
@@ -180,8 +158,8 @@ def check_resumed(conn, state: dict, after: dict[str, list[str]]) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["custom", "directory", "plain"])
-def test_dump_and_restore_bring_everything_back_and_delivery_resumes(cluster, databases, fmt):
-    source, target = databases(), databases(template=False)
+def test_dump_and_restore_bring_everything_back_and_delivery_resumes(cluster, new_database, fmt):
+    source, target = new_database(TEMPLATE), new_database()
     with cluster.connect(source) as conn:
         state = busy_outbox(conn)
         before = contents(conn)
@@ -202,19 +180,17 @@ def test_dump_and_restore_bring_everything_back_and_delivery_resumes(cluster, da
                             " AND NOT tgisinternal").fetchone()[0] == 0, "emits write natively again"
 
 
-def test_a_schema_only_dump_restores_cleanly(cluster, databases):
-    source, target = databases(), databases(template=False)
+def test_a_schema_only_dump_restores_cleanly(cluster, new_database):
+    source = new_database(TEMPLATE)
     with cluster.connect(source) as conn:
         busy_outbox(conn)
     for fmt in ("custom", "plain"):
-        stderr = dump_and_restore(cluster, source, f"{target}_{fmt}" if fmt == "plain" else target, fmt,
-                                  schema_only=True)
+        target = new_database()
+        stderr = dump_and_restore(cluster, source, target, fmt, schema_only=True)
         assert "ERROR" not in stderr, stderr
-    with cluster.connect(target) as conn:
-        conn.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
-        assert conn.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 1
-    with cluster.connect() as conn:
-        conn.execute(f"DROP DATABASE {target}_plain WITH (FORCE)")
+        with cluster.connect(target) as conn:
+            conn.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
+            assert conn.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 1
 
 
 @pytest.mark.parametrize("where", ["far_below", "far_above"])

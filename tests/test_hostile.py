@@ -104,7 +104,7 @@ def test_hung_sinks_never_take_a_healthy_sinks_capacity(conn, new_sink):
         for k in range(64):                   # over every shard: each hung sink fills 16 threads
             emit(conn, f"warm-{k}")
         wait_for(lambda: all(status(conn, s)["shards_leased"] == 16 for s in hung), timeout=30)
-        sink = new_sink("webhook", healthy.url)
+        new_sink("webhook", healthy.url)
         probe = emit(conn, "probe")           # the worker has the new sink once this arrives
         wait_for(lambda: {e["id"] for e in healthy.accepted_events()} >= set(probe), timeout=30)
         committed = time.time()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 
 import psycopg
 import pytest
@@ -260,8 +259,8 @@ def test_no_role_holds_trigger_truncate_or_references_and_partitions_hold_no_gra
     db.execute("ALTER DEFAULT PRIVILEGES IN SCHEMA outbox, inbox REVOKE ALL ON TABLES FROM admin_user, PUBLIC")
 
 
-def test_upgrade_from_0_5_0_takes_back_the_grants(cluster, fresh_db):
-    name = fresh_db()
+def test_upgrade_from_0_5_0_takes_back_the_grants(cluster, new_database):
+    name = new_database()
     with cluster.connect(name) as db:
         db.execute("CREATE EXTENSION outbox_ext VERSION '0.5.0'")
         db.execute("UPDATE outbox.partition_config SET ahead = 3")
@@ -276,22 +275,6 @@ def test_upgrade_from_0_5_0_takes_back_the_grants(cluster, fresh_db):
         assert db.execute(trigger_holders).fetchone()[0] == 0
         assert db.execute("SELECT pg_has_role('outbox_worker', 'outbox_relay', 'MEMBER')").fetchone()[0]
         assert db.execute("SELECT has_table_privilege('outbox_worker', 'outbox.sinks', 'SELECT')").fetchone()[0]
-
-
-@pytest.fixture
-def fresh_db(cluster):
-    names = []
-
-    def make() -> str:
-        names.append(f"sec{len(names)}_{os.getpid()}")
-        with cluster.connect() as conn:
-            conn.execute(f"CREATE DATABASE {names[-1]}")
-        return names[-1]
-
-    yield make
-    with cluster.connect() as conn:
-        for name in names:
-            conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
 
 def b64(n: int) -> str:

@@ -3,7 +3,6 @@ same catalog as a fresh install."""
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import defaultdict
 
@@ -13,30 +12,11 @@ from relay import Relay
 
 RELEASED = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0"]   # every version one can upgrade from
 NEW = "0.6.0"
-_n = itertools.count()
-
-
-@pytest.fixture
-def fresh_db(cluster):
-    """A factory of empty databases (no extension), dropped after the test."""
-    names = []
-
-    def make() -> str:
-        name = f"up{next(_n)}_{int(time.time() * 1000) % 100000}"
-        with cluster.connect() as conn:
-            conn.execute(f"CREATE DATABASE {name}")
-        names.append(name)
-        return name
-
-    yield make
-    with cluster.connect() as conn:
-        for name in names:
-            conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
 
 @pytest.mark.parametrize("old", RELEASED)
-def test_update_keeps_pending_events_and_parked_keys_in_order(cluster, fresh_db, old):
-    with cluster.connect(fresh_db()) as db:
+def test_update_keeps_pending_events_and_parked_keys_in_order(cluster, new_database, old):
+    with cluster.connect(new_database()) as db:
         db.execute(f"CREATE EXTENSION outbox_ext VERSION '{old}'")
         db.execute("SELECT outbox.create_consumer('sink', backoff_base => '10 ms', backoff_max => '20 ms')")
         for i in range(50):
@@ -76,8 +56,8 @@ def test_update_keeps_pending_events_and_parked_keys_in_order(cluster, fresh_db,
 
 
 @pytest.mark.parametrize("old", RELEASED)
-def test_update_is_rerunnable_and_leaves_the_catalog_of_a_fresh_install(cluster, fresh_db, old):
-    fresh, upgraded = fresh_db(), fresh_db()
+def test_update_is_rerunnable_and_leaves_the_catalog_of_a_fresh_install(cluster, new_database, old):
+    fresh, upgraded = new_database(), new_database()
     with cluster.connect(fresh) as db:
         db.execute("CREATE EXTENSION outbox_ext")
         want = catalog(db)

@@ -44,6 +44,7 @@ IMMUTABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'check_sink_settings_wrapper';
 
+-- @include inbox.sql
 -- @include sinks.sql
 -- @include partitions.sql
 -- @include restore.sql
