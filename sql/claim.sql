@@ -676,8 +676,10 @@ DECLARE
     c_id   int;
     -- The first bound, taken as claims take theirs (see the header); if this transaction has
     -- written already, its xid may be older than the seq, so start the seq bound at 0.
+    -- (never below a restored dump's events: their txids are not this cluster's)
+    restored bigint := coalesce((SELECT o.restored_seq FROM outbox._origin o), 0);
     lo_seq bigint := CASE WHEN pg_current_xact_id_if_assigned() IS NULL
-                          THEN coalesce(pg_sequence_last_value('outbox.event_seq'), 0) ELSE 0 END;
+                          THEN coalesce(pg_sequence_last_value('outbox.event_seq'), 0) ELSE restored END;
     x      xid8 := pg_current_xact_id();
     lo     pg_snapshot := pg_current_snapshot();
     lo_top xid8 := outbox._top(lo, x);
@@ -717,7 +719,7 @@ BEGIN
     INSERT INTO outbox._cursor_log (consumer_id, shard, epoch, lo_snap, lo_seq, lo_top, lo_txids,
                                     lo_floors, restored_seq, restored_top)
     SELECT c_id, s, 0, b.snap, b.seq, b.top, b.txids,
-           ARRAY(SELECT CASE WHEN t = x THEN lo_seq ELSE 0 END FROM unnest(b.txids) AS t),
+           ARRAY(SELECT CASE WHEN t = x THEN lo_seq ELSE restored END FROM unnest(b.txids) AS t),
            o.restored_seq, o.restored_top
       FROM generate_series(0, outbox.shard_count() - 1) AS s
       LEFT JOIN outbox._origin o ON from_beginning,

@@ -20,7 +20,8 @@
 --            operators are never looked up in pg_temp) and name our objects by schema.
 --            tests/test_roles.py checks that every one of them pins it.
 -- [inside]   Internal helpers (outbox._*, granted to no role) run only inside [pinned]
---            functions, whose search_path they inherit.
+--            functions, whose search_path they inherit. (Three pure [parsed] ones, _pending,
+--            _pending_floor and _routes, are granted to outbox_relay: the status views call them.)
 -- [parsed]   Views and SQL-standard bodies (LANGUAGE sql ... RETURN) are parsed once, by
 --            CREATE EXTENSION or ALTER EXTENSION UPDATE, whose search_path is pg_catalog,
 --            pg_temp (the control file's schema is pg_catalog).

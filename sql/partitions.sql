@@ -8,8 +8,8 @@
 --
 -- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
 -- Name resolution (sql/grants.sql): maintain() is [pinned]; the helpers that run dynamic SQL
--- (_create_partition, _partition_pending, _revoke_all) pin search_path too, the others are
--- [parsed]; the view is [parsed].
+-- (_create_partition, _partition_pending, _revoke_all, _index_partition) pin search_path too,
+-- the others are [parsed]; the view is [parsed].
 
 CREATE TABLE IF NOT EXISTS outbox.partition_config (
     parent    regclass PRIMARY KEY,
@@ -149,8 +149,7 @@ $$;
 -- transactions are invisible, so first: no open transaction started before the partition's
 -- upper bound (emit's created_at is the transaction's start, so it may still write there),
 -- and no transaction, prepared ones included, holds a lock on it (it has written there).
--- Then every consumer must have read past every event: each event's transaction is visible
--- in the lower bound of its shard's current window.
+-- Then no consumer may have an event of it pending (outbox._pending, sql/claim.sql).
 CREATE OR REPLACE FUNCTION outbox._partition_pending(part regclass, upper timestamptz) RETURNS text
     LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
 AS $$
@@ -192,6 +191,7 @@ DECLARE
     why     text;
     part    text;
     old_timeout text;
+    rebased boolean;
 BEGIN
     IF pg_is_in_recovery() THEN
         RETURN;  -- a replica follows its primary's maintenance
@@ -200,16 +200,23 @@ BEGIN
         RETURN QUERY SELECT 'skipped', NULL::text, 'another outbox.maintain() is running';
         RETURN;
     END IF;
+    IF outbox._restore_running() THEN  -- its partitions would collide with the dump's
+        RETURN QUERY SELECT 'skipped', NULL::text, 'a restore into this database is running';
+        RETURN;
+    END IF;
     -- 1. Partitions past retention first: drop or detach, never with undelivered events. A drop
     --    needs the parent's ACCESS EXCLUSIVE lock; waited for after creating a partition (which
     --    locks the default partition) it could deadlock with a reader that holds the parent and
     --    goes on to the default partition. Each waits at most a second: a long reader must not
     --    queue every emit behind the drop; the next run tries again.
-    PERFORM outbox._rebase_if_restored();  -- a database restored from a dump (sql/restore.sql)
+    -- a database restored from a dump (sql/restore.sql); the guard on emits goes in a later
+    -- run, once the rebase is committed (dropping it here would wait for emits that wait for us)
+    rebased := outbox._rebase_if_restored();
     old_timeout := current_setting('lock_timeout');
     PERFORM set_config('lock_timeout', '1s', true);
-    IF EXISTS (SELECT FROM pg_trigger t WHERE t.tgrelid = 'outbox.events'::regclass
-                                          AND t.tgname = 'rebase_before_emit') THEN
+    IF NOT rebased AND EXISTS (SELECT FROM pg_trigger t WHERE t.tgrelid = 'outbox.events'::regclass
+                                                        AND t.tgname = 'rebase_before_emit')
+       AND NOT (SELECT o.restore_pending FROM outbox._origin o) THEN
         BEGIN  -- rebased: emits need not stop by any more, and write natively again
             DROP TRIGGER rebase_before_emit ON outbox.events;
             RETURN QUERY SELECT 'rebased', 'outbox.events', 'restored from a dump; rebased'::text;
@@ -303,7 +310,7 @@ COMMENT ON FUNCTION outbox.maintain() IS
     'SELECT cron.schedule(''outbox-maintain'', ''* * * * *'', ''SELECT * FROM outbox.maintain()'');';
 
 -- The default partitions belong to the extension; dated partitions do not: CREATE EXTENSION
--- makes none (the first outbox.maintain() does, which the worker runs at once), so that a
+-- makes none (the first outbox.maintain() does, which the worker runs soon after), so that a
 -- restore, which runs CREATE EXTENSION first, does not make partitions its dump brings too.
 CREATE TABLE IF NOT EXISTS outbox.events_default PARTITION OF outbox.events DEFAULT;
 CREATE TABLE IF NOT EXISTS inbox.messages_default PARTITION OF inbox.messages DEFAULT;

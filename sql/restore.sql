@@ -36,7 +36,9 @@ CREATE TABLE IF NOT EXISTS outbox._origin (
     restore_pending boolean     NOT NULL DEFAULT false,  -- restored, not rebased yet
     restored_at     timestamptz,           -- the last restore
     restored_seq    bigint,                -- the last restore's events: seq at most this,
-    restored_top    xid8                   -- txids below this (for consumers made later)
+    restored_top    xid8,                  -- txids below this (for consumers made later)
+    restorer        int,                   -- the backend restoring, and since when: nothing is
+    restorer_since  timestamptz            -- rebased while it runs (it has not loaded all yet)
 );
 COMMENT ON TABLE outbox._origin IS
     'Where this outbox state was made, and its last restore from a dump (see sql/restore.sql).';
@@ -54,7 +56,9 @@ BEGIN
     IF NOT EXISTS (SELECT FROM outbox._origin) THEN
         RETURN NEW;  -- CREATE EXTENSION's own row
     END IF;
-    UPDATE outbox._origin SET restore_pending = true, restored_at = now();
+    UPDATE outbox._origin
+       SET restore_pending = true, restored_at = now(), restorer = pg_backend_pid(),
+           restorer_since = (SELECT a.backend_start FROM pg_stat_activity a WHERE a.pid = pg_backend_pid());
     CREATE OR REPLACE TRIGGER rebase_before_emit BEFORE INSERT ON outbox.events
         FOR EACH STATEMENT EXECUTE FUNCTION outbox._rebase_before_emit();
     RETURN NULL;
@@ -62,7 +66,8 @@ END
 $$;
 CREATE OR REPLACE TRIGGER restored BEFORE INSERT ON outbox._origin
     FOR EACH ROW EXECUTE FUNCTION outbox._restored();
-INSERT INTO outbox._origin (made_in) VALUES (outbox._here()) ON CONFLICT DO NOTHING;
+-- (not ON CONFLICT: the trigger, which fires first, would take a second insert for a restore)
+INSERT INTO outbox._origin (made_in) SELECT outbox._here() WHERE NOT EXISTS (SELECT FROM outbox._origin);
 
 -- Before the first event of this cluster takes a seq. (Native emit takes the plain INSERT
 -- path while a table has a trigger, so this fires for every kind of emit.)
@@ -75,13 +80,18 @@ BEGIN
 END
 $$;
 
--- Rebases a restored state if it is one; true if this call did (its transaction has written).
+-- Rebases a restored state if it is one, once the restore is over. True when the state is
+-- not ready for claims in this transaction: it was just rebased (the transaction has written),
+-- or the restore is still running.
 CREATE OR REPLACE FUNCTION outbox._rebase_if_restored() RETURNS boolean
     LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
     IF NOT coalesce((SELECT o.restore_pending FROM outbox._origin o), false) THEN
         RETURN false;
+    END IF;
+    IF outbox._restore_running() THEN
+        RETURN true;
     END IF;
     LOCK TABLE outbox._origin IN EXCLUSIVE MODE;  -- one rebase; the others wait, then see it done
     IF NOT (SELECT o.restore_pending FROM outbox._origin o) THEN
@@ -91,6 +101,17 @@ BEGIN
     RETURN true;
 END
 $$;
+
+-- Whether the backend that restored the dump's _origin row still runs (a restore not made in
+-- one transaction goes on loading after it), or a pg_restore is connected to this database.
+CREATE OR REPLACE FUNCTION outbox._restore_running() RETURNS boolean
+    LANGUAGE sql STABLE
+    RETURN EXISTS (SELECT FROM pg_catalog.pg_stat_activity a, outbox._origin o
+                    WHERE a.pid = o.restorer AND a.backend_start = o.restorer_since
+                      AND a.pid <> pg_catalog.pg_backend_pid())
+        OR EXISTS (SELECT FROM pg_catalog.pg_stat_activity a
+                    WHERE a.datname = pg_catalog.current_database() AND a.application_name = 'pg_restore'
+                      AND a.pid <> pg_catalog.pg_backend_pid());
 
 -- Every cursor: its batch out at dump time (lease, parked heads) comes again, and it reads the
 -- dump's events in the dump's ids, then the rest (see the header). Marks go: their xids are the

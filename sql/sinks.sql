@@ -99,6 +99,12 @@ BEGIN
         RAISE EXCEPTION 'http_headers and topic_map must be JSON objects of strings'
             USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. ''{"Authorization": "Bearer t0ken"}''.';
     END IF;
+    IF EXISTS (SELECT FROM jsonb_each_text(NEW.topic_map) AS m(k, v)
+                WHERE v !~ '^[A-Za-z0-9._-]{1,249}$' OR v IN ('.', '..')) THEN
+        RAISE EXCEPTION 'topic_map renames to a name that is not a Kafka topic name'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Kafka topics are 1 to 249 of [A-Za-z0-9._-], not "." or "..".';
+    END IF;
     -- the secret's key, each header, each CA certificate: as the worker will use them (Rust)
     PERFORM outbox._check_sink_settings(NEW.secret, NEW.http_headers, NEW.tls_ca);
     -- topics filter event topics; a name that topic_map only renames to is a Kafka topic

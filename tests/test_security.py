@@ -266,6 +266,9 @@ def test_upgrade_from_0_5_0_takes_back_the_grants(cluster, new_database):
         db.execute("UPDATE outbox.partition_config SET ahead = 3")
         db.execute("SELECT * FROM outbox.maintain()")
         db.execute("GRANT ALL ON ALL TABLES IN SCHEMA outbox TO outbox_admin")  # partitions too
+        # a 12-byte key 0.5.0 took, and a header 0.6.0 refuses: the sink is disabled, cleared
+        db.execute("""SELECT outbox.create_sink('old', 'webhook', 'http://127.0.0.1:9/',
+                      secret => 'whsec_AAAAAAAAAAAAAAAA', http_headers => '{"Host": "x"}')""")
         trigger_holders = """SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace,
                                     aclexplode(c.relacl) a
                               WHERE n.nspname IN ('outbox', 'inbox') AND a.privilege_type = 'TRIGGER'
@@ -275,6 +278,8 @@ def test_upgrade_from_0_5_0_takes_back_the_grants(cluster, new_database):
         assert db.execute(trigger_holders).fetchone()[0] == 0
         assert db.execute("SELECT pg_has_role('outbox_worker', 'outbox_relay', 'MEMBER')").fetchone()[0]
         assert db.execute("SELECT has_table_privilege('outbox_worker', 'outbox.sinks', 'SELECT')").fetchone()[0]
+        assert db.execute("SELECT enabled, secret, http_headers FROM outbox.sinks").fetchone() == (False, None, None)
+        db.execute("UPDATE outbox.sinks SET enabled = true")   # the row passes the checks now
 
 
 def b64(n: int) -> str:

@@ -75,17 +75,52 @@ $partitions$;
 -- @include dump.sql
 -- @include grants.sql
 
+-- Sink rows the new checks refuse: the worker could not deliver with them, and a dump of them
+-- could not be restored (the checks run on every row written). Each such sink is disabled
+-- and the refused settings cleared, with a WARNING to set them anew.
 DO $check$
 DECLARE
-    s outbox.sinks;
+    s       outbox.sinks;
+    cleared text[];
 BEGIN
+    ALTER TABLE outbox.sinks DISABLE TRIGGER check_sink;
     FOR s IN SELECT * FROM outbox.sinks ORDER BY name LOOP
+        cleared := '{}';
         BEGIN
-            PERFORM outbox._check_sink_settings(s.secret, s.http_headers, s.tls_ca);
+            PERFORM outbox._check_sink_settings(s.secret, NULL, NULL);
         EXCEPTION WHEN invalid_parameter_value THEN
-            RAISE WARNING 'sink "%": %', s.name, SQLERRM
-                USING HINT = 'The worker cannot deliver to it until its row is fixed (UPDATE outbox.sinks).';
+            s.secret := NULL; cleared := cleared || 'secret'::text;
         END;
+        BEGIN
+            PERFORM outbox._check_sink_settings(NULL, s.http_headers, NULL);
+        EXCEPTION WHEN invalid_parameter_value THEN
+            s.http_headers := NULL; cleared := cleared || 'http_headers'::text;
+        END;
+        BEGIN
+            PERFORM outbox._check_sink_settings(NULL, NULL, s.tls_ca);
+        EXCEPTION WHEN invalid_parameter_value THEN
+            s.tls_ca := NULL; cleared := cleared || 'tls_ca'::text;
+        END;
+        IF EXISTS (SELECT FROM jsonb_each_text(s.topic_map) AS m(k, v)
+                    WHERE v !~ '^[A-Za-z0-9._-]{1,249}$' OR v IN ('.', '..')) THEN
+            s.topic_map := NULL; cleared := cleared || 'topic_map'::text;
+        END IF;
+        IF cardinality(s.topics) = 0 OR array_position(s.topics, NULL) IS NOT NULL THEN
+            s.topics := NULL; cleared := cleared || 'topics'::text;
+        END IF;
+        IF cardinality(s.aggregate_types) = 0 OR array_position(s.aggregate_types, NULL) IS NOT NULL THEN
+            s.aggregate_types := NULL; cleared := cleared || 'aggregate_types'::text;
+        END IF;
+        CONTINUE WHEN cardinality(cleared) = 0;
+        UPDATE outbox.sinks k
+           SET enabled = false, secret = s.secret, http_headers = s.http_headers, tls_ca = s.tls_ca,
+               topic_map = s.topic_map, topics = s.topics, aggregate_types = s.aggregate_types,
+               updated_at = now()
+         WHERE k.name = s.name;
+        RAISE WARNING 'sink "%" is disabled: its % did not pass the checks of 0.6.0 and were cleared',
+                s.name, array_to_string(cleared, ', ')
+            USING HINT = 'Set them anew and enable it: UPDATE outbox.sinks SET ..., enabled = true WHERE name = ...;';
     END LOOP;
+    ALTER TABLE outbox.sinks ENABLE TRIGGER check_sink;
 END
 $check$;

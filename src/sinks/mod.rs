@@ -136,7 +136,7 @@ pub struct Client {
 }
 
 impl Client {
-    /// Fails on a configuration the trigger on outbox.sinks cannot check (certificates).
+    /// Fails on a configuration the worker cannot use (rows saved before 0.6.0 checked them).
     pub fn new(config: Config) -> Result<Client, String> {
         let agent = http::agent(&config)?;
         for (name, value) in &config.http_headers {

@@ -167,11 +167,15 @@ fn request_headers(
     headers
 }
 
-/// The emit headers a request carries as HTTP headers (always in the body too): those every
-/// event of the request has, with the same value (all of one event's, when it goes alone),
-/// that are valid HTTP headers and not ones the sink sets itself (http::check_header);
-/// `outbox-header-` is not prefixed, so `traceparent` and `tracestate` reach a receiver as
-/// tracing expects. The sink's own http_headers come first and win.
+/// Emit headers that also travel as HTTP headers: trace context (W3C Trace Context and
+/// Baggage). Only these: a producer may emit any header, and must not set a receiver's
+/// Authorization, Cookie or transport headers that way.
+const TRACE_HEADERS: [&str; 3] = ["traceparent", "tracestate", "baggage"];
+
+/// The emit headers a request carries as HTTP headers (all of them are in the body too): the
+/// TRACE_HEADERS every event of the request has, with the same value (so those of the one
+/// event, when it goes alone), that are valid HTTP header values. The sink's own headers and
+/// http_headers come first and win.
 fn event_headers(events: &[&Event]) -> Vec<(String, String)> {
     let parse = |e: &Event| -> Vec<(String, String)> {
         (e.headers.as_deref())
@@ -192,6 +196,7 @@ fn event_headers(events: &[&Event]) -> Vec<(String, String)> {
     parse(first)
         .into_iter()
         .filter(|header| others.iter().all(|o| o.contains(header)))
+        .filter(|(name, _)| TRACE_HEADERS.contains(&name.to_ascii_lowercase().as_str()))
         .filter(|(name, value)| http::check_header(name, value).is_ok())
         .collect()
 }

@@ -28,6 +28,7 @@ pub fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
     unsafe {
         pg_sys::SetCurrentStatementStartTimestamp(); // now() is the transaction's start
         pg_sys::StartTransactionCommand();
+        super::session::restrict();
         pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
     }
     let f = AssertUnwindSafe(f);
@@ -45,6 +46,7 @@ pub fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
     unsafe {
         if result.is_ok() {
             pg_sys::PopActiveSnapshot();
+            super::session::unrestrict();
             pg_sys::CommitTransactionCommand();
         } else {
             pg_sys::AbortCurrentTransaction();

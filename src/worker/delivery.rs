@@ -208,7 +208,8 @@ impl Delivery {
             }
             sink.paused_until = None;
             let config = &sink.client.config;
-            // long enough for every request of a batch; a dead worker's leases are taken back
+            // meant to outlast a batch's requests (a batch sent in many requests, e.g. format
+            // single, may take longer); a dead worker's leases are taken back at its restart
             let lease = (config.request_timeout * 4).max(Duration::from_secs(300));
             while self.pool.in_flight(name) < config.concurrency {
                 match deliver::claim(config, sink.batch_limit, lease) {

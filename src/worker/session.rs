@@ -12,13 +12,35 @@
 //!   no LOGIN needed).
 //! - PostgreSQL 15 and 16 cannot connect a worker as a NOLOGIN role. The worker connects as the
 //!   bootstrap superuser, runs no statement, and becomes the role for good: it sets
-//!   `session_authorization` (session_user, current_user and pg_stat_activity show the role)
-//!   and enters a security-restricted operation, which PostgreSQL keeps for the rest of the
-//!   session (each transaction's abort restores it) and in which `SET ROLE` and `SET SESSION
-//!   AUTHORIZATION` are refused: code running in the session can never switch back.
+//!   `session_authorization` (session_user, current_user and pg_stat_activity show the role).
+//! - On every major, each of the worker's transactions then runs as a security-restricted
+//!   operation (`restrict`, called by deliver::in_transaction), in which PostgreSQL refuses
+//!   `SET ROLE` and `SET SESSION AUTHORIZATION`: nothing running in the session can switch
+//!   back. (PostgreSQL allows that state only inside a transaction; no code of the worker's runs
+//!   between them.)
 
 use pgrx::prelude::*;
 use std::ffi::CString;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Set once the worker is its role: from then on its transactions are restricted.
+static RESTRICTED: AtomicBool = AtomicBool::new(false);
+
+/// At the start of each transaction (once connected): a security-restricted operation, as the
+/// worker's own user. The transaction's end (commit: `unrestrict`; abort: PostgreSQL) ends it.
+pub fn restrict() {
+    if RESTRICTED.load(Ordering::Relaxed) {
+        let sro = pg_sys::SECURITY_RESTRICTED_OPERATION as i32;
+        unsafe { pg_sys::SetUserIdAndSecContext(pg_sys::GetUserId(), sro) };
+    }
+}
+
+/// Before a commit: back to no security context, as PostgreSQL expects between transactions.
+pub fn unrestrict() {
+    if RESTRICTED.load(Ordering::Relaxed) {
+        unsafe { pg_sys::SetUserIdAndSecContext(pg_sys::GetUserId(), 0) };
+    }
+}
 
 /// What the worker's statements resolve names in.
 const SEARCH_PATH: &std::ffi::CStr = c"pg_catalog, pg_temp";
@@ -36,13 +58,14 @@ pub fn connect(db: &str, role: &str) {
             pg_sys::GucSource::PGC_S_SESSION,
         );
     }
+    warn_if_superuser();
+    RESTRICTED.store(true, Ordering::Relaxed);
 }
 
 #[cfg(any(feature = "pg17", feature = "pg18"))]
 fn connect_as(db: &CString, role: &CString) {
     let flags = pg_sys::BGWORKER_BYPASS_ROLELOGINCHECK;
     unsafe { pg_sys::BackgroundWorkerInitializeConnection(db.as_ptr(), role.as_ptr(), flags) };
-    warn_if_superuser();
 }
 
 #[cfg(any(feature = "pg15", feature = "pg16"))]
@@ -58,12 +81,7 @@ fn connect_as(db: &CString, role: &CString) {
         );
     })
     .unwrap_or_else(|e| error!("outbox_ext worker: cannot become {role:?}: {e}"));
-    unsafe {
-        let user = pg_sys::GetSessionUserId();
-        pg_sys::SetUserIdAndSecContext(user, pg_sys::SECURITY_RESTRICTED_OPERATION as i32);
-        pg_sys::pgstat_bestart(); // pg_stat_activity shows the session user anew
-    }
-    warn_if_superuser();
+    unsafe { pg_sys::pgstat_bestart() }; // pg_stat_activity shows the session user anew
 }
 
 fn warn_if_superuser() {
