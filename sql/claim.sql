@@ -365,7 +365,7 @@ BEGIN
         IF cur.lo_top = cur.restored_top THEN
             -- Restored, and the dump's last window is done: every event of the dump is. Go on in
             -- this cluster's transaction ids, with every event after the dump's (a greater seq).
-            cur.lo_snap := '1:1:'; cur.lo_top := '1'; cur.lo_txids := '{}'; cur.lo_floors := '{}';
+            cur := outbox._lo_after_seq(cur, cur.restored_seq);
             cur.restored_seq := NULL; cur.restored_top := NULL;
         END IF;
         cur.hi_snap := NULL; cur.hi_seq := NULL; cur.hi_top := NULL;
@@ -376,6 +376,19 @@ BEGIN
     END IF;
     cur.owner := NULL; cur.lease_until := NULL;
     cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
+    RETURN cur;
+END
+$$;
+
+-- The lower bound "every event with a greater seq is still to come, whatever its txid", with
+-- no window open: where a cursor goes on after a dump's events (see sql/restore.sql).
+CREATE OR REPLACE FUNCTION outbox._lo_after_seq(cur outbox._cursor_log, seq bigint) RETURNS outbox._cursor_log
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    cur.lo_snap := '1:1:'; cur.lo_seq := seq; cur.lo_top := '1'; cur.lo_txids := '{}'; cur.lo_floors := '{}';
+    cur.hi_snap := NULL; cur.hi_seq := NULL; cur.hi_top := NULL; cur.hi_txids := NULL;
+    cur.hi_floors := NULL; cur.late_from := NULL; cur.late_to := NULL; cur.after_seq := NULL;
     RETURN cur;
 END
 $$;
@@ -778,18 +791,18 @@ BEGIN
                   HINT = 'Call claim in a transaction of its own (autocommit is fine), and ack or '
                          'nack in the next ones.';
     END IF;
-    seq_mark := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
-    x := pg_current_xact_id();
-    IF coalesce((SELECT m.at FROM outbox._marks m ORDER BY m.top DESC LIMIT 1), '-infinity')
-       < now() - interval '1 second' THEN
-        INSERT INTO outbox._marks (top, seq) VALUES (x, seq_mark) ON CONFLICT DO NOTHING;
-    END IF;
     PERFORM outbox._not_null(batch_size IS NULL, 'batch_size', 'outbox.claim');
     PERFORM outbox._not_null(lease IS NULL, 'lease', 'outbox.claim');
     PERFORM outbox._check_interval(lease, 'lease', '1 day', false);
     IF batch_size < 1 OR batch_size > 100000 THEN
         RAISE EXCEPTION 'batch_size % is out of range', batch_size
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass 1 to 100000.';
+    END IF;
+    seq_mark := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
+    x := pg_current_xact_id();
+    IF coalesce((SELECT m.at FROM outbox._marks m ORDER BY m.top DESC LIMIT 1), '-infinity')
+       < now() - interval '1 second' THEN
+        INSERT INTO outbox._marks (top, seq) VALUES (x, seq_mark) ON CONFLICT DO NOTHING;
     END IF;
     FOR i IN 0 .. n - 1 LOOP
         s := (start + i) % n;

@@ -136,10 +136,7 @@ BEGIN
         IF cur.restored_seq IS NOT NULL THEN
             -- restored again before it read an earlier dump's events: all of them from its
             -- floor on come again (the ids of two dumps cannot be told apart)
-            cur.lo_seq := outbox._pending_floor(cur);
-            cur.lo_snap := '1:1:'; cur.lo_top := '1'; cur.lo_txids := '{}'; cur.lo_floors := '{}';
-            cur.hi_snap := NULL; cur.hi_seq := NULL; cur.hi_top := NULL; cur.hi_txids := NULL;
-            cur.hi_floors := NULL; cur.late_from := NULL; cur.late_to := NULL; cur.after_seq := NULL;
+            cur := outbox._lo_after_seq(cur, outbox._pending_floor(cur));
         END IF;
         cur.owner := NULL; cur.lease_until := NULL;
         cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
