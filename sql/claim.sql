@@ -671,6 +671,243 @@ BEGIN
 END
 $$;
 
+-- Settling a batch (outbox.settle; ack, nack and reject are its thin forms). A failure a relay
+-- reports, resolved against its batch: the event, its key and seq, and whether it is a parked
+-- key's head (handed out from the key's queue) or an event read from the shard's window.
+DO $type$
+BEGIN
+    CREATE TYPE outbox._failure AS (
+        event_id     uuid,
+        aggregate_id text,
+        seq          bigint,
+        head         boolean,
+        error        text,
+        retry_after  interval,
+        final        boolean
+    );
+EXCEPTION WHEN duplicate_object THEN NULL;  -- rerun: the type is there
+END
+$type$;
+
+-- A failure's own arguments, checked before the batch is looked at.
+CREATE OR REPLACE FUNCTION outbox._check_failure(event_id uuid, retry_after interval) RETURNS void
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    PERFORM outbox._not_null(event_id IS NULL, 'event_id', 'settle, nack or reject');
+    IF retry_after IS NOT NULL THEN
+        PERFORM outbox._check_interval(retry_after, 'retry_after', '30 days', true);
+    END IF;
+END
+$$;
+
+-- settle's failures argument, a JSON array of {"id", "error", "retry_after", "final"}: checked,
+-- as unresolved failures. retry_after is a number of seconds or an interval's text.
+CREATE OR REPLACE FUNCTION outbox._failures(failures jsonb) RETURNS outbox._failure[]
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    i    int := 0;
+    f    jsonb;
+    one  outbox._failure;
+    list outbox._failure[] := '{}';
+BEGIN
+    IF jsonb_typeof(failures) IS DISTINCT FROM 'array' THEN
+        RAISE EXCEPTION 'failures must be a JSON array'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass ''[]'' when every event was delivered.';
+    ELSIF jsonb_array_length(failures) = 0 THEN
+        RETURN list;  -- the common case, without the subtransaction below
+    END IF;
+    BEGIN
+        FOR f IN SELECT jsonb_array_elements(failures) LOOP
+            i := i + 1;
+            IF jsonb_typeof(f) <> 'object' OR f ->> 'id' IS NULL
+               OR f - ARRAY['id', 'error', 'retry_after', 'final'] <> '{}' THEN
+                RAISE EXCEPTION 'not an object with an id and nothing but error, retry_after and final'
+                    USING ERRCODE = 'invalid_parameter_value';
+            END IF;
+            one.event_id := (f ->> 'id')::uuid;
+            one.error := f ->> 'error';
+            one.retry_after := CASE jsonb_typeof(f -> 'retry_after')
+                                   WHEN 'number' THEN make_interval(secs => (f ->> 'retry_after')::float8)
+                                   ELSE (f ->> 'retry_after')::interval END;
+            one.final := coalesce((f -> 'final')::boolean, false);
+            PERFORM outbox._check_failure(one.event_id, one.retry_after);
+            list := list || one;
+        END LOOP;
+    EXCEPTION WHEN data_exception THEN  -- a bad uuid, interval or boolean, or the checks above
+        RAISE EXCEPTION 'failure % of failures is invalid: %', i, SQLERRM
+            USING ERRCODE = 'invalid_parameter_value',
+                  DETAIL = format('It is %s.', f),
+                  HINT = 'A failure is {"id": "<event id>", "error": "<text>", "retry_after": '
+                         '<seconds or interval text, optional>, "final": <true to dead-letter it now, optional>}.';
+    END;
+    RETURN list;
+END
+$$;
+
+-- Find a failed event in its batch (batch: the window's events the claim handed out). NULL for a
+-- head that is settled already (a reject of this batch dead-lettered it).
+CREATE OR REPLACE FUNCTION outbox._resolve(c outbox.consumers, cur outbox._cursor_log,
+                                           batch outbox.events[], f outbox._failure)
+RETURNS outbox._failure
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    f.head := coalesce(f.event_id = ANY (cur.heads), false);
+    IF f.head THEN
+        SELECT q.aggregate_id, q.seq INTO f.aggregate_id, f.seq FROM outbox._parked_events q
+         WHERE q.consumer_id = c.id AND q.id = f.event_id;
+        RETURN CASE WHEN FOUND THEN f END;
+    END IF;
+    SELECT b.aggregate_id, b.seq INTO f.aggregate_id, f.seq FROM unnest(batch) b WHERE b.id = f.event_id;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'event % is not in the batch of shard % with epoch %', f.event_id, cur.shard, cur.epoch
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Report only events that this claim returned.';
+    END IF;
+    RETURN f;
+END
+$$;
+
+-- The events of the batch a cursor holds out, read from its window.
+CREATE OR REPLACE FUNCTION outbox._batch(cur outbox._cursor_log) RETURNS outbox.events[]
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    RETURN ARRAY(SELECT w FROM outbox._window(cur.shard, cur, cur.batch_end, NULL) w);
+END
+$$;
+
+-- Record a key's failure, f being its first failed event in the batch. A head counts a failed
+-- attempt of its queue. An event of the window parks its key: it and the key's later events of
+-- the batch are queued, in order. Returns how many events of the batch this kept back.
+CREATE OR REPLACE FUNCTION outbox._fail_key(c outbox.consumers, cur outbox._cursor_log,
+                                            batch outbox.events[], f outbox._failure) RETURNS int
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    later  outbox.events[];
+    parked int;
+BEGIN
+    IF NOT f.head THEN
+        IF EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = c.id
+                      AND p.aggregate_id = f.aggregate_id AND p.nacked_epoch = cur.epoch) THEN
+            RETURN 0;  -- a nack of this batch failed the key already
+        END IF;
+        INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+        VALUES (c.id, f.aggregate_id, cur.shard, now())
+        ON CONFLICT DO NOTHING;
+        GET DIAGNOSTICS parked = ROW_COUNT;
+        later := ARRAY(SELECT b FROM unnest(batch) b
+                        WHERE b.aggregate_id = f.aggregate_id AND b.seq >= f.seq ORDER BY b.seq);
+        PERFORM outbox._queue_parked(c.id, later);
+        IF parked = 0 THEN
+            RETURN cardinality(later);  -- parked meanwhile (a replay): they wait behind its queue
+        END IF;
+    END IF;
+    PERFORM outbox._head_failed(c, f.aggregate_id, f.error, f.retry_after, cur.epoch, f.final);
+    RETURN CASE WHEN f.head THEN 1 ELSE cardinality(later) END;
+END
+$$;
+
+-- _fail_key, and if recording the failure itself fails, the key parked with that reason in
+-- place of the relay's error and retried: the rest of the batch still settles, and the reason
+-- shows in outbox.status.last_error.
+CREATE OR REPLACE FUNCTION outbox._fail_key_or_say_why(c outbox.consumers, cur outbox._cursor_log,
+                                                       batch outbox.events[], f outbox._failure) RETURNS int
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    RETURN outbox._fail_key(c, cur, batch, f);
+EXCEPTION WHEN OTHERS THEN
+    f.error := format('settling this failure failed: %s (the relay said: %s)', SQLERRM, left(f.error, 1000));
+    f.retry_after := NULL;
+    f.final := false;
+    RETURN outbox._fail_key(c, cur, batch, f);
+END
+$$;
+
+-- The hold-back rule, in one place: a key's first failure in batch order fails the key, and its
+-- later events in the batch wait behind it whatever the relay said of them. The failures are
+-- recorded together; only if that fails, each on its own (a subtransaction each: kept for the
+-- rare case, as many of them slow every snapshot of the cluster). Returns the events kept back.
+CREATE OR REPLACE FUNCTION outbox._fail_batch(c outbox.consumers, cur outbox._cursor_log,
+                                              failures outbox._failure[]) RETURNS int
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    batch  outbox.events[] := outbox._batch(cur);
+    firsts outbox._failure[];
+    f      outbox._failure;
+    kept   int := 0;
+BEGIN
+    firsts := ARRAY(SELECT DISTINCT ON (r.aggregate_id) r
+                      FROM unnest(failures) AS u, outbox._resolve(c, cur, batch, u) AS r
+                     WHERE r.aggregate_id IS NOT NULL
+                     ORDER BY r.aggregate_id, r.seq);
+    BEGIN
+        FOREACH f IN ARRAY firsts LOOP
+            kept := kept + outbox._fail_key(c, cur, batch, f);
+        END LOOP;
+    EXCEPTION WHEN OTHERS THEN
+        kept := 0;
+        FOREACH f IN ARRAY firsts LOOP
+            kept := kept + outbox._fail_key_or_say_why(c, cur, batch, f);
+        END LOOP;
+    END;
+    RETURN kept;
+END
+$$;
+
+-- The rest of a settled batch is delivered: parked heads handed out and not failed in this
+-- batch leave their queues, and the shard moves past the batch.
+CREATE OR REPLACE FUNCTION outbox._deliver_rest(c outbox.consumers, cur outbox._cursor_log) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    key text;
+BEGIN
+    IF cardinality(cur.heads) > 0 THEN
+        FOR key IN
+            DELETE FROM outbox._parked_events q
+             USING outbox._parked p
+             WHERE q.consumer_id = c.id AND q.id = ANY (cur.heads)
+               AND p.consumer_id = q.consumer_id AND p.aggregate_id = q.aggregate_id
+               AND p.nacked_epoch IS DISTINCT FROM cur.epoch
+            RETURNING q.aggregate_id
+        LOOP
+            UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
+             WHERE p.consumer_id = c.id AND p.aggregate_id = key;
+            PERFORM outbox._unpark_if_empty(c.id, key);
+        END LOOP;
+    END IF;
+    PERFORM outbox._append(outbox._advance(cur, cur.batch_end, cur.exhausted));
+END
+$$;
+
+-- nack and reject: one event failed; the batch stays out until settle or ack.
+CREATE OR REPLACE FUNCTION outbox._fail(consumer text, shard int, epoch bigint, event_id uuid, error text,
+                                        retry_after interval, final boolean) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    c     outbox.consumers := outbox._consumer(consumer);
+    cur   outbox._cursor_log;
+    batch outbox.events[];
+    f     outbox._failure := ROW(event_id, NULL, NULL, NULL, error, retry_after, final);
+BEGIN
+    PERFORM outbox._check_failure(event_id, retry_after);
+    cur := outbox._leased(c.id, shard, epoch);
+    batch := CASE WHEN event_id = ANY (cur.heads) THEN '{}' ELSE outbox._batch(cur) END;
+    f := outbox._resolve(c, cur, batch, f);
+    IF f.aggregate_id IS NOT NULL THEN
+        PERFORM outbox._fail_key(c, cur, batch, f);
+    END IF;
+END
+$$;
+
 ---------------------------------------------------------------------------------------------
 -- API
 ---------------------------------------------------------------------------------------------
@@ -823,86 +1060,49 @@ COMMENT ON FUNCTION outbox.claim(text, int, interval, text) IS
     'batch_size, plus parked keys due for retry); nothing when no shard has work. '
     'Example: SELECT * FROM outbox.claim(''billing-webhook'', 100, ''30 seconds'');';
 
-CREATE OR REPLACE FUNCTION outbox.ack(consumer text, shard int, epoch bigint) RETURNS void
+CREATE OR REPLACE FUNCTION outbox.settle(consumer text, shard int, epoch bigint,
+                                         failures jsonb DEFAULT '[]') RETURNS int
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    c   outbox.consumers := outbox._consumer(consumer);
-    cur outbox._cursor_log := outbox._leased(c.id, shard, epoch);
-    key text;
+    c    outbox.consumers := outbox._consumer(consumer);
+    list outbox._failure[];
+    cur  outbox._cursor_log;
+    kept int := 0;
 BEGIN
-    -- parked heads that went out in this batch and were not nacked: delivered
-    IF cardinality(cur.heads) > 0 THEN
-        FOR key IN
-            DELETE FROM outbox._parked_events q
-             USING outbox._parked p
-             WHERE q.consumer_id = c.id AND q.id = ANY (cur.heads)
-               AND p.consumer_id = q.consumer_id AND p.aggregate_id = q.aggregate_id
-               AND p.nacked_epoch IS DISTINCT FROM ack.epoch
-            RETURNING q.aggregate_id
-        LOOP
-            UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
-             WHERE p.consumer_id = c.id AND p.aggregate_id = key;
-            PERFORM outbox._unpark_if_empty(c.id, key);
-        END LOOP;
-    END IF;
-    PERFORM outbox._append(outbox._advance(cur, cur.batch_end, cur.exhausted));
-END
-$$;
-COMMENT ON FUNCTION outbox.ack(text, int, bigint) IS
-    'Finishes a claimed batch: every event not nacked counts as delivered and the shard moves on. '
-    'Example: SELECT outbox.ack(''billing-webhook'', 3, 17);';
-
--- A claimed event failed (nack), or failed for good (reject, final): park its key, count the
--- failure of the key's head.
-CREATE OR REPLACE FUNCTION outbox._fail(consumer text, shard int, epoch bigint, event_id uuid, error text,
-                             retry_after interval, final boolean) RETURNS void
-    LANGUAGE plpgsql VOLATILE
-AS $$
-DECLARE
-    c   outbox.consumers := outbox._consumer(consumer);
-    cur outbox._cursor_log;
-    ev  outbox.events;
-    key text;
-BEGIN
-    PERFORM outbox._not_null(event_id IS NULL, 'event_id', 'nack or reject');
-    IF retry_after IS NOT NULL THEN
-        PERFORM outbox._check_interval(retry_after, 'retry_after', '30 days', true);
-    END IF;
+    PERFORM outbox._not_null(failures IS NULL, 'failures', 'outbox.settle');
+    list := outbox._failures(failures);
     cur := outbox._leased(c.id, shard, epoch);
-    IF event_id = ANY (cur.heads) THEN
-        SELECT q.aggregate_id INTO key FROM outbox._parked_events q
-         WHERE q.consumer_id = c.id AND q.id = _fail.event_id;
-    ELSE
-        SELECT * INTO ev FROM outbox._window(shard, cur, cur.batch_end, NULL) w WHERE w.id = event_id;
-        IF NOT FOUND THEN
-            RAISE EXCEPTION 'event % is not in the batch of shard % with epoch %', event_id, shard, epoch
-                USING ERRCODE = 'invalid_parameter_value',
-                      HINT = 'Nack only events that this claim returned.';
-        END IF;
-        key := ev.aggregate_id;
-        IF EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = c.id AND p.aggregate_id = key
-                                                    AND p.nacked_epoch = _fail.epoch) THEN
-            RETURN;  -- the key already failed in this batch; later events of it wait anyway
-        END IF;
-        -- park the key: this event and the key's later events of the batch queue up, in order
-        INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
-        VALUES (c.id, key, shard, now());
-        PERFORM outbox._queue_parked(c.id, ARRAY(
-            SELECT w FROM outbox._window(shard, cur, cur.batch_end, NULL) w
-             WHERE w.aggregate_id = key AND w.seq >= ev.seq));
+    IF cardinality(list) > 0 THEN
+        kept := outbox._fail_batch(c, cur, list);
     END IF;
-    PERFORM outbox._head_failed(c, key, error, retry_after, epoch, final);
+    PERFORM outbox._deliver_rest(c, cur);
+    RETURN kept;
 END
 $$;
+COMMENT ON FUNCTION outbox.settle(text, int, bigint, jsonb) IS
+    'Finishes a claimed batch in one call. failures lists the events that failed, as a JSON array '
+    'of {"id", "error", "retry_after" (seconds or interval text, optional), "final" (true: '
+    'dead-letter now)}; a failed key''s later events in the batch wait behind it, in order, '
+    'whatever was said of them; every other event counts as delivered and the shard moves on. '
+    'Returns how many events were kept back. Example: SELECT outbox.settle(''hook'', 3, 17, '
+    '''[{"id": "0190...", "error": "HTTP 503", "retry_after": 30}]'');';
+
+CREATE OR REPLACE FUNCTION outbox.ack(consumer text, shard int, epoch bigint) RETURNS void
+    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$ SELECT outbox.settle(consumer, shard, epoch) $$;
+COMMENT ON FUNCTION outbox.ack(text, int, bigint) IS
+    'settle with no failures: every event not nacked or rejected counts as delivered and the '
+    'shard moves on. Example: SELECT outbox.ack(''billing-webhook'', 3, 17);';
 
 CREATE OR REPLACE FUNCTION outbox.nack(consumer text, shard int, epoch bigint, event_id uuid, error text,
                             retry_after interval DEFAULT NULL) RETURNS void
     LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
     RETURN outbox._fail(consumer, shard, epoch, event_id, error, retry_after, false);
 COMMENT ON FUNCTION outbox.nack(text, int, bigint, uuid, text, interval) IS
-    'Reports that one claimed event failed: its key is parked (the shard goes on without it) and '
-    'retried with backoff, or after retry_after; call ack afterwards for the rest of the batch. '
+    'One failure of settle, reported on its own: the event''s key is parked (the shard goes on '
+    'without it) and retried with backoff, or after retry_after; call ack (or settle) afterwards '
+    'for the rest of the batch. '
     'Example: SELECT outbox.nack(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 500'');';
 
 CREATE OR REPLACE FUNCTION outbox.reject(consumer text, shard int, epoch bigint, event_id uuid, error text)
@@ -910,8 +1110,9 @@ RETURNS void
     LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
     RETURN outbox._fail(consumer, shard, epoch, event_id, error, NULL, true);
 COMMENT ON FUNCTION outbox.reject(text, int, bigint, uuid, text) IS
-    'Reports that one claimed event can never be delivered (e.g. HTTP 400): it goes to '
-    'outbox.dead_letters at once and its key moves on; call ack afterwards for the rest of the batch. '
+    'A final failure of settle, reported on its own (e.g. HTTP 400): the event goes to '
+    'outbox.dead_letters at once and its key moves on; call ack (or settle) afterwards for the '
+    'rest of the batch. '
     'Example: SELECT outbox.reject(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 422'');';
 
 CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint,

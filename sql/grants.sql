@@ -70,6 +70,7 @@ GRANT EXECUTE ON FUNCTION outbox._pending(outbox._cursor_log, xid8, bigint),
                           outbox._routes(outbox.sinks, text, text) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION
     outbox.claim(text, int, interval, text),
+    outbox.settle(text, int, bigint, jsonb),
     outbox.ack(text, int, bigint),
     outbox.nack(text, int, bigint, uuid, text, interval),
     outbox.reject(text, int, bigint, uuid, text),

@@ -3,9 +3,10 @@
     while True:
         batch = claim(consumer, batch_size, lease)        -- one shard, commit order
         for each event, in order:
-            if its key already failed in this batch: skip it (it waits, parked, in order)
-            deliver it; on failure nack(shard, epoch, id, error)
-        ack(shard, epoch)                                   -- the shard moves on
+            if its key already failed in this batch: skip it (not sent ahead of the failure)
+            deliver it; on failure note {"id", "error"}
+        settle(shard, epoch, failures)                      -- the shard moves on; a failed
+                                                            -- key's later events wait behind it
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable
 
 import psycopg
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 
 
 @dataclass
@@ -44,6 +46,16 @@ class Relay:
                 (self.consumer, self.batch_size, self.lease, self.owner)).fetchall()
         return [Event(**r) for r in rows]
 
+    def settle(self, shard: int, epoch: int, failures: list[dict] | None = None) -> int:
+        """Settles the batch; failures: {"id", "error", "retry_after", "final"}. Returns how many
+        events were kept back."""
+        return self.conn.execute("SELECT outbox.settle(%s, %s, %s, %s)",
+                                 (self.consumer, shard, epoch, Jsonb(failures or []))).fetchone()[0]
+
+    @staticmethod
+    def failure(event: Event, error: str, retry_after: str | None = None, final: bool = False) -> dict:
+        return {"id": str(event.id), "error": error, "retry_after": retry_after, "final": final}
+
     def ack(self, shard: int, epoch: int) -> None:
         self.conn.execute("SELECT outbox.ack(%s, %s, %s)", (self.consumer, shard, epoch))
 
@@ -56,18 +68,18 @@ class Relay:
                           (self.consumer, shard, epoch, retry_after))
 
     def step(self, deliver: Callable[[Event], bool], retry_after: str | None = None) -> int:
-        """Claim one batch, deliver it in order, nack failures, ack. Returns events claimed."""
+        """Claim one batch, deliver it in order, settle it. Returns events claimed."""
         batch = self.claim()
         if not batch:
             return 0
-        failed_keys: set[str] = set()
+        failures, failed_keys = [], set()
         for event in batch:
             if event.aggregate_id in failed_keys:
-                continue
+                continue   # never sent ahead of its key's failed event; settle keeps it back
             if not deliver(event):
                 failed_keys.add(event.aggregate_id)
-                self.nack(event, f"delivery of {event.id} failed", retry_after)
-        self.ack(batch[0].shard, batch[0].epoch)
+                failures.append(self.failure(event, f"delivery of {event.id} failed", retry_after))
+        self.settle(batch[0].shard, batch[0].epoch, failures)
         return len(batch)
 
     def drain(self, deliver: Callable[[Event], bool] | None = None, max_empty: int = 1) -> list[Event]:

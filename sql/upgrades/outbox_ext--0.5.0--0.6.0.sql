@@ -20,19 +20,1040 @@
 -- - DROP EXTENSION outbox_ext is refused while events are undelivered (sql/drop_guard.sql).
 --   Events, consumers, cursors, parked keys and dead letters are kept as they are.
 --
--- Rerunnable. Each "-- @include" line stands for that file of sql/, expanded when the
--- extension is installed (scripts/lib.sh); freeze this file (expand them) when a later
--- version changes those files.
+-- Rerunnable. Frozen at commit 3dab865: the "-- @include" lines it had were expanded into the
+-- sql/ files they stood for as they were then. Never edit it.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.6.0'" to load this file. \quit
 
--- @include roles.sql
+-- outbox_ext: schemas and roles. Runs first (bootstrap); rerunnable (upgrade scripts include it).
+--
+-- Roles are cluster-wide, so they are created only where missing: CREATE EXTENSION in a
+-- second database, or after DROP EXTENSION, must not fail on them.
+--   outbox_producer  emits events, nothing else (cannot read events or configuration)
+--   outbox_relay     claims, acks and nacks events; reads the event log
+--   outbox_admin     sinks, consumers, maintenance, dead letters (member of both above);
+--                    not a superuser's power: no trigger, rule, policy or TRUNCATE on our tables
+--   outbox_worker    what the background worker runs as: relays (member of outbox_relay),
+--                    reads sinks, writes their figures, runs maintenance
+
+CREATE SCHEMA IF NOT EXISTS outbox;
+CREATE SCHEMA IF NOT EXISTS inbox;
+
+DO $roles$
+DECLARE
+    r text;
+BEGIN
+    FOREACH r IN ARRAY ARRAY['outbox_producer', 'outbox_relay', 'outbox_admin', 'outbox_worker'] LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r) THEN
+            EXECUTE pg_catalog.format('CREATE ROLE %I NOLOGIN', r);
+        ELSIF EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r AND (rolcanlogin OR rolsuper)) THEN
+            -- made by someone else, before us: whoever can log in as it holds its privileges
+            RAISE WARNING 'role "%" already exists and can log in or is a superuser', r
+                USING HINT = pg_catalog.format('outbox_ext expects it NOLOGIN NOSUPERUSER: ALTER ROLE %I NOLOGIN NOSUPERUSER;', r);
+        END IF;
+    END LOOP;
+END
+$roles$;
 
 ALTER TABLE outbox._cursor_log ADD COLUMN IF NOT EXISTS restored_seq bigint,
                                ADD COLUMN IF NOT EXISTS restored_top xid8;
 DROP INDEX IF EXISTS outbox.events_read_idx;                -- with the partitions' copies
 ALTER TABLE inbox.messages DROP CONSTRAINT IF EXISTS messages_pkey;
 
--- @include claim.sql
+-- outbox_ext: consumers and claims — commit-ordered, per-key ordered reading of the event log.
+--
+-- How a consumer reads a shard without gaps (PgQ's idea, per shard):
+--   Its position is a commit window (lo, hi] between two bounds. A bound is taken by a claim
+--   that has not written yet: read the event sequence (seq), then take an xid of its own (X),
+--   then take a snapshot. Its "top" is max(snapshot xmax, X + 1). Every xid below top was then
+--   finished or is in the bound's in-progress list (txids: the snapshot's xip plus
+--   [xmax, X], since xmax is only latestCompletedXid + 1); every xid from top on was assigned
+--   after seq was read, so its events have a greater seq (emit takes the xid before the seq,
+--   see outbox.events.seq). The window holds every event whose transaction hi sees finished
+--   and lo did not:
+--     (a) transactions with xid >= lo.top: their events have seq > lo.seq;
+--     (b) transactions in lo's in-progress list: their events have seq above a "floor"
+--         carried for each of them from the bound where it first appeared.
+--   Inside a window events go out in seq order (emit order, which is commit order for writers
+--   serialized on an aggregate), paged by after_seq through the (shard, seq, txid) index, so
+--   a window of millions of events costs no more per page than a small one. A row committed
+--   late is never skipped (it falls in a later window) and an uncommitted one is never read.
+--
+-- How claims stay bloat-free: a shard is taken by locking its row in outbox._shards FOR UPDATE
+-- SKIP LOCKED (never updated), and the cursor with its lease is an append-only log: claim, ack,
+-- nack and release INSERT a row, the newest row is the state. A transaction that holds back
+-- vacuum for minutes leaves nothing dead on the hot path.
+--
+-- How a failing key blocks only itself: nack parks the key. Its failed event and every later
+-- event of the key are copied, in order, into a small side queue (_parked_events) as the shard
+-- reads past them, and the shard goes on with other keys. The queue's head is retried with
+-- exponential backoff and jitter; after max_attempts it goes to outbox.dead_letters and the key
+-- moves on. When the queue is empty the key is unparked and flows with its shard again.
+--
+-- Name resolution (sql/grants.sql): the API functions are [pinned], helpers (outbox._*) run
+-- [inside] them and do not pin search_path themselves: only the SECURITY DEFINER API functions
+-- below call them, and those pin it. A SET clause on every helper would cost each call a GUC
+-- save and restore and a new search path lookup, about 5% of a claim.
+--
+-- Rerunnable (upgrade scripts include it): tables and indexes only where missing, functions
+-- replaced. A changed table needs its own ALTER in the upgrade script.
+
+CREATE TABLE IF NOT EXISTS outbox.consumers (
+    id           int         GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    name         text        NOT NULL UNIQUE,
+    max_attempts int         NOT NULL DEFAULT 10 CHECK (max_attempts >= 1),
+    backoff_base interval    NOT NULL DEFAULT '1 second' CHECK (backoff_base > '0'),
+    backoff_max  interval    NOT NULL DEFAULT '10 minutes' CHECK (backoff_max > '0'),
+    created_at   timestamptz NOT NULL DEFAULT now()
+);
+COMMENT ON TABLE outbox.consumers IS
+    'Named readers of the event log (one per sink); each has its own cursor in every shard.';
+
+-- What claims lock (FOR UPDATE SKIP LOCKED) to take a shard; never updated.
+CREATE TABLE IF NOT EXISTS outbox._shards (
+    consumer_id int NOT NULL REFERENCES outbox.consumers ON DELETE CASCADE,
+    shard       int NOT NULL,
+    PRIMARY KEY (consumer_id, shard)
+);
+
+-- The cursor of each (consumer, shard) as an append-only log; the newest row is the state.
+CREATE TABLE IF NOT EXISTS outbox._cursor_log (
+    consumer_id int         NOT NULL REFERENCES outbox.consumers ON DELETE CASCADE,
+    shard       int         NOT NULL,
+    pos         bigint      GENERATED ALWAYS AS IDENTITY,
+    epoch       bigint      NOT NULL,  -- lease generation: +1 on every claim
+    owner       text,                  -- who holds the batch out; NULL when none is out
+    lease_until timestamptz,           -- claim: lease expiry; release: no claim before this
+    lo_snap     pg_snapshot NOT NULL,  -- the window (lo, hi] ...
+    lo_seq      bigint      NOT NULL,
+    lo_top      xid8        NOT NULL,
+    lo_txids    xid8[]      NOT NULL,  -- ... lo's in-progress transactions and their floors
+    lo_floors   bigint[]    NOT NULL,
+    hi_snap     pg_snapshot,           -- NULL: the next claim opens a new window after lo
+    hi_seq      bigint,
+    hi_top      xid8,
+    hi_txids    xid8[],
+    hi_floors   bigint[],
+    late_from   bigint,                -- seq range holding the events of (b) in this window
+    late_to     bigint,
+    after_seq   bigint,                -- delivered through this seq inside the window
+    batch_end   bigint,                -- claim rows: seq of the batch's last event
+    exhausted   boolean,               -- claim rows: the batch ends the window
+    heads       uuid[],                -- claim rows: parked head events handed out
+    at          timestamptz NOT NULL DEFAULT now(),
+    restored_seq bigint,               -- restored from a dump (sql/restore.sql): events up to
+    restored_top xid8                  -- this seq are the dump's, their txids below this top
+);
+CREATE INDEX IF NOT EXISTS _cursor_log_consumer_id_shard_pos_idx
+    ON outbox._cursor_log (consumer_id, shard, pos DESC);
+
+CREATE TABLE IF NOT EXISTS outbox._parked (
+    consumer_id     int         NOT NULL REFERENCES outbox.consumers ON DELETE CASCADE,
+    aggregate_id    text        NOT NULL,
+    shard           int         NOT NULL,
+    attempts        int         NOT NULL DEFAULT 0,  -- failed attempts of the current head
+    next_attempt_at timestamptz NOT NULL,
+    last_error      text,
+    nacked_epoch    bigint,                          -- the batch that last failed the head
+    parked_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer_id, aggregate_id)
+);
+CREATE INDEX IF NOT EXISTS _parked_consumer_id_shard_next_attempt_at_idx
+    ON outbox._parked (consumer_id, shard, next_attempt_at);
+
+CREATE TABLE IF NOT EXISTS outbox._parked_events (
+    consumer_id    int         NOT NULL,
+    aggregate_id   text        NOT NULL,
+    pos            bigint      GENERATED ALWAYS AS IDENTITY,
+    id             uuid        NOT NULL,
+    topic          text,
+    aggregate_type text        NOT NULL,
+    event_type     text        NOT NULL,
+    payload        jsonb,
+    headers        jsonb,
+    created_at     timestamptz NOT NULL,
+    seq            bigint      NOT NULL,
+    PRIMARY KEY (consumer_id, aggregate_id, pos),
+    UNIQUE (consumer_id, id),
+    FOREIGN KEY (consumer_id, aggregate_id) REFERENCES outbox._parked ON DELETE CASCADE
+);
+
+CREATE TABLE IF NOT EXISTS outbox.dead_letters (
+    id             bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer       text        NOT NULL,
+    event_id       uuid        NOT NULL,
+    topic          text,
+    aggregate_type text        NOT NULL,
+    aggregate_id   text        NOT NULL,
+    event_type     text        NOT NULL,
+    payload        jsonb,
+    headers        jsonb,
+    created_at     timestamptz NOT NULL,
+    seq            bigint      NOT NULL,
+    attempts       int         NOT NULL,
+    last_error     text,
+    dead_at        timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS dead_letters_consumer_aggregate_id_id_idx
+    ON outbox.dead_letters (consumer, aggregate_id, id);
+COMMENT ON TABLE outbox.dead_letters IS
+    'Events a consumer gave up on after max_attempts, with the last error; outbox.replay re-queues them.';
+
+-- Marks: (seq, then a fresh xid) pairs that claims record at most once a second. A
+-- transaction with a greater xid has only events above the mark's seq, which gives every
+-- in-progress transaction a recent floor however old the cursor's bounds are. Insert-only;
+-- outbox.maintain() trims old marks.
+CREATE TABLE IF NOT EXISTS outbox._marks (
+    top xid8        PRIMARY KEY,
+    seq bigint      NOT NULL,
+    at  timestamptz NOT NULL DEFAULT now()
+);
+
+-- One row of a claimed batch.
+DO $type$
+BEGIN
+    CREATE TYPE outbox.claimed AS (
+        shard          int,
+        epoch          bigint,
+        id             uuid,
+        topic          text,
+        aggregate_type text,
+        aggregate_id   text,
+        event_type     text,
+        payload        jsonb,
+        headers        jsonb,
+        created_at     timestamptz,
+        seq            bigint,
+        attempt        int
+    );
+EXCEPTION WHEN duplicate_object THEN NULL;  -- rerun: the type is there
+END
+$type$;
+COMMENT ON TYPE outbox.claimed IS
+    'A claimed event: ack or nack it with (shard, epoch); attempt is 1 + its earlier failures.';
+
+---------------------------------------------------------------------------------------------
+-- Internals
+---------------------------------------------------------------------------------------------
+
+CREATE OR REPLACE FUNCTION outbox._consumer(name text) RETURNS outbox.consumers
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    c outbox.consumers;
+BEGIN
+    PERFORM outbox._not_null(name IS NULL, 'consumer', 'the function');
+    PERFORM outbox._rebase_if_restored();
+    SELECT * INTO c FROM outbox.consumers WHERE consumers.name = _consumer.name;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'consumer "%" does not exist', name
+            USING ERRCODE = 'undefined_object',
+                  HINT = 'Create it with outbox.create_consumer(name).';
+    END IF;
+    RETURN c;
+END
+$$;
+
+-- The one NULL check of the API's arguments: 22004, naming the argument and the function.
+CREATE OR REPLACE FUNCTION outbox._not_null(is_null boolean, arg text, func text) RETURNS void
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF is_null THEN
+        RAISE EXCEPTION '% must not be NULL', arg
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = format('Pass %s to %s; the README lists every argument.', arg, func);
+    END IF;
+END
+$$;
+
+-- An interval argument: positive (or zero, if zero_ok) and at most max, else 22023.
+CREATE OR REPLACE FUNCTION outbox._check_interval(v interval, arg text, max interval, zero_ok boolean)
+RETURNS void
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF v < '0' OR (v = '0' AND NOT zero_ok) OR v > max THEN
+        RAISE EXCEPTION '% % is out of range', arg, v
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = format('%s is %s to %s.', arg, CASE WHEN zero_ok THEN '0' ELSE 'more than 0' END, max);
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._check_shard(shard int) RETURNS void
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF shard IS NULL OR shard < 0 OR shard >= outbox.shard_count() THEN
+        RAISE EXCEPTION 'shard % does not exist', shard
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = format('Shards are 0 to %s; pass the shard a claimed row came with.',
+                                outbox.shard_count() - 1);
+    END IF;
+END
+$$;
+
+-- The newest cursor row of a (consumer, shard).
+CREATE OR REPLACE FUNCTION outbox._cursor(consumer_id int, shard int) RETURNS outbox._cursor_log
+    LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    cur outbox._cursor_log;
+BEGIN
+    SELECT * INTO cur FROM outbox._cursor_log l
+     WHERE l.consumer_id = _cursor.consumer_id AND l.shard = _cursor.shard
+     ORDER BY l.pos DESC LIMIT 1;
+    RETURN cur;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._append(cur outbox._cursor_log) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    INSERT INTO outbox._cursor_log
+        (consumer_id, shard, epoch, owner, lease_until, lo_snap, lo_seq, lo_top, lo_txids,
+         lo_floors, hi_snap, hi_seq, hi_top, hi_txids, hi_floors, late_from, late_to,
+         after_seq, batch_end, exhausted, heads, restored_seq, restored_top)
+    VALUES
+        (cur.consumer_id, cur.shard, cur.epoch, cur.owner, cur.lease_until, cur.lo_snap,
+         cur.lo_seq, cur.lo_top, cur.lo_txids, cur.lo_floors, cur.hi_snap, cur.hi_seq,
+         cur.hi_top, cur.hi_txids, cur.hi_floors, cur.late_from, cur.late_to, cur.after_seq,
+         cur.batch_end, cur.exhausted, cur.heads, cur.restored_seq, cur.restored_top);
+END
+$$;
+
+-- The in-progress list of a bound: the snapshot's xip, every xid from its xmax to x, and x.
+-- (Helpers on the claim path are plpgsql, not SQL: plpgsql keeps their plans for the session,
+-- while a SQL function called from plpgsql is planned again in every transaction.)
+CREATE OR REPLACE FUNCTION outbox._in_progress(snap pg_snapshot, x xid8) RETURNS xid8[]
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    RETURN ARRAY(SELECT t FROM pg_snapshot_xip(snap) AS t
+                 UNION
+                 SELECT g::text::xid8
+                   FROM generate_series(least(pg_snapshot_xmax(snap), x)::text::bigint,
+                                        x::text::bigint) AS g
+                 ORDER BY 1);
+END
+$$;
+
+-- The top of a bound taken with snapshot snap after xid x: every xid below it was finished or
+-- in progress then, every xid from it on was assigned after the bound's seq was read.
+CREATE OR REPLACE FUNCTION outbox._top(snap pg_snapshot, x xid8) RETURNS xid8
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN greatest(pg_catalog.pg_snapshot_xmax(snap), (x::text::bigint + 1)::text::xid8);
+
+-- Transactions of lo's in-progress list that the cursor's hi sees finished, with the lowest
+-- of their floors: part (b) of the window.
+CREATE OR REPLACE FUNCTION outbox._late(cur outbox._cursor_log, OUT txids xid8[], OUT floor_seq bigint)
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    SELECT coalesce(array_agg(u.t), '{}'), min(u.f) INTO txids, floor_seq
+      FROM unnest(cur.lo_txids, cur.lo_floors) AS u(t, f)
+     WHERE pg_visible_in_snapshot(u.t, cur.hi_snap);
+END
+$$;
+
+-- Close the window at a new bound (seq_mark, then xid x, then a snapshot now; see the header).
+-- Each in-progress transaction gets a floor: carried over if lo had it in progress too, else
+-- lo.seq (it began after lo's mark), raised to the newest mark below it; x itself, seq_mark.
+-- Then find, once, the seq range that holds the events of part (b), bounded above by the seq
+-- read after the snapshot: pages of the window scan only that range for them.
+-- Generic plans: custom ones would plan the scan of every partition again in each of a
+-- session's first windows.
+CREATE OR REPLACE FUNCTION outbox._open_window(cur outbox._cursor_log, seq_mark bigint, x xid8)
+RETURNS outbox._cursor_log
+    LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    late    record;
+    seq_end bigint;
+BEGIN
+    IF cur.restored_seq IS NOT NULL THEN
+        -- Restored from a dump (sql/restore.sql): the last window in the dump's transaction ids
+        -- ends where every event of the dump is committed, as every restored event is.
+        cur.hi_seq := cur.restored_seq;
+        cur.hi_snap := (cur.restored_top || ':' || cur.restored_top || ':')::pg_snapshot;
+        cur.hi_top := cur.restored_top;
+        cur.hi_txids := '{}';
+        cur.hi_floors := '{}';
+        seq_end := cur.restored_seq;
+    ELSE
+        cur.hi_seq := seq_mark;
+        cur.hi_snap := pg_current_snapshot();
+        seq_end := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
+        cur.hi_top := outbox._top(cur.hi_snap, x);
+        SELECT coalesce(array_agg(t ORDER BY t), '{}'),
+               coalesce(array_agg(CASE WHEN t = x THEN seq_mark
+                                       ELSE greatest(coalesce(u.f, cur.lo_seq),
+                                                     (SELECT m.seq FROM outbox._marks m WHERE m.top < t
+                                                       ORDER BY m.top DESC LIMIT 1)) END ORDER BY t), '{}')
+          INTO cur.hi_txids, cur.hi_floors
+          FROM unnest(outbox._in_progress(cur.hi_snap, x)) AS t
+          LEFT JOIN unnest(cur.lo_txids, cur.lo_floors) AS u(id, f) ON u.id = t;
+    END IF;
+    late := outbox._late(cur);
+    cur.late_from := NULL; cur.late_to := NULL;
+    IF cardinality(late.txids) > 0 THEN
+        -- One pass over the range per transaction (there are few), txid = t checked on the
+        -- index entries: only their events' rows are visited. (txid = ANY (array) is checked
+        -- on the heap rows instead, and a min/max plan would walk the range twice.)
+        SELECT min(e.seq), max(e.seq) INTO cur.late_from, cur.late_to
+          FROM unnest(late.txids) AS t
+         CROSS JOIN LATERAL (SELECT e.seq FROM outbox.events e
+                              WHERE e.shard = cur.shard AND e.seq > late.floor_seq
+                                AND e.seq <= seq_end AND e.txid = t
+                             OFFSET 0) AS e;
+    END IF;
+    cur.after_seq := NULL;
+    RETURN cur;
+END
+$$;
+
+-- The position after delivering through batch_end: the same window further on, or, when the
+-- window is exhausted, no window yet after its upper bound.
+CREATE OR REPLACE FUNCTION outbox._advance(cur outbox._cursor_log, batch_end bigint, exhausted boolean)
+RETURNS outbox._cursor_log
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    IF exhausted THEN
+        cur.lo_snap := cur.hi_snap;   cur.lo_seq := cur.hi_seq;       cur.lo_top := cur.hi_top;
+        cur.lo_txids := cur.hi_txids; cur.lo_floors := cur.hi_floors;
+        IF cur.lo_top = cur.restored_top THEN
+            -- Restored, and the dump's last window is done: every event of the dump is. Go on in
+            -- this cluster's transaction ids, with every event after the dump's (a greater seq).
+            cur := outbox._lo_after_seq(cur, cur.restored_seq);
+            cur.restored_seq := NULL; cur.restored_top := NULL;
+        END IF;
+        cur.hi_snap := NULL; cur.hi_seq := NULL; cur.hi_top := NULL;
+        cur.hi_txids := NULL; cur.hi_floors := NULL; cur.late_from := NULL; cur.late_to := NULL;
+        cur.after_seq := NULL;
+    ELSE
+        cur.after_seq := batch_end;
+    END IF;
+    cur.owner := NULL; cur.lease_until := NULL;
+    cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
+    RETURN cur;
+END
+$$;
+
+-- The lower bound "every event with a greater seq is still to come, whatever its txid", with
+-- no window open: where a cursor goes on after a dump's events (see sql/restore.sql).
+CREATE OR REPLACE FUNCTION outbox._lo_after_seq(cur outbox._cursor_log, seq bigint) RETURNS outbox._cursor_log
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    cur.lo_snap := '1:1:'; cur.lo_seq := seq; cur.lo_top := '1'; cur.lo_txids := '{}'; cur.lo_floors := '{}';
+    cur.hi_snap := NULL; cur.hi_seq := NULL; cur.hi_top := NULL; cur.hi_txids := NULL;
+    cur.hi_floors := NULL; cur.late_from := NULL; cur.late_to := NULL; cur.after_seq := NULL;
+    RETURN cur;
+END
+$$;
+
+-- A window done: no window yet after it. Leaving a dump's events (see _advance) is recorded
+-- at once, so that later claims do not look through them again.
+CREATE OR REPLACE FUNCTION outbox._next_window(cur outbox._cursor_log) RETURNS outbox._cursor_log
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    restored boolean := cur.restored_seq IS NOT NULL;
+BEGIN
+    cur := outbox._advance(cur, NULL, true);
+    IF restored AND cur.restored_seq IS NULL THEN
+        PERFORM outbox._append(cur);
+    END IF;
+    RETURN cur;
+END
+$$;
+
+-- What is pending for a consumer: whether the event (txid, seq) of the cursor's shard is still
+-- to be delivered. Every such event has a seq above _pending_floor, which bounds index scans.
+-- Status and partition maintenance ask this; claims read the same set window by window.
+CREATE OR REPLACE FUNCTION outbox._pending(cur outbox._cursor_log, txid xid8, seq bigint) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN seq > cur.restored_seq  -- emitted after a restore (sql/restore.sql): not read yet
+        OR (NOT pg_catalog.pg_visible_in_snapshot(txid, cur.lo_snap)
+            AND NOT (cur.hi_snap IS NOT NULL AND seq <= coalesce(cur.after_seq, -1)
+                     AND pg_catalog.pg_visible_in_snapshot(txid, cur.hi_snap)));
+CREATE OR REPLACE FUNCTION outbox._pending_floor(cur outbox._cursor_log) RETURNS bigint
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN least(cur.lo_seq, (SELECT min(f) FROM pg_catalog.unnest(cur.lo_floors) AS f));
+
+-- Events of a shard in the cursor's window, after its position and up to seq upto, in seq
+-- order, at most lim (NULL: all). Both parts walk the (shard, seq, txid) index in order and
+-- stop at the limit. A custom plan, costed with the actual bounds, would rather sort a whole
+-- backlog; the generic plan (kept for the session) walks the index.
+CREATE OR REPLACE FUNCTION outbox._window(shard int, cur outbox._cursor_log, upto bigint, lim int)
+RETURNS SETOF outbox.events
+    LANGUAGE plpgsql STABLE
+    SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    late     xid8[] := (outbox._late(cur)).txids;
+    -- restored: only the dump's events, whose txids are the dump's (sql/restore.sql)
+    last_seq bigint := least(coalesce(upto, 9223372036854775807), cur.restored_seq);
+BEGIN
+    RETURN QUERY
+    SELECT w.* FROM (
+        (SELECT e.* FROM outbox.events e
+          WHERE e.shard = _window.shard
+            AND e.seq > greatest(cur.after_seq, cur.lo_seq) AND e.seq <= last_seq
+            AND e.txid >= cur.lo_top AND e.txid < pg_snapshot_xmax(cur.hi_snap)
+            AND pg_visible_in_snapshot(e.txid, cur.hi_snap)
+          ORDER BY e.seq LIMIT lim)
+        UNION ALL
+        (SELECT e.* FROM outbox.events e
+          WHERE cur.late_from IS NOT NULL
+            AND e.shard = _window.shard
+            AND e.seq >= cur.late_from AND e.seq > coalesce(cur.after_seq, -1)
+            AND e.seq <= least(cur.late_to, last_seq)
+            AND e.txid = ANY (late)
+          ORDER BY e.seq LIMIT lim)
+    ) AS w ORDER BY w.seq LIMIT lim;
+END
+$$;
+
+-- Lock a shard for ack/nack/release and return its cursor, refusing a stale epoch.
+CREATE OR REPLACE FUNCTION outbox._leased(consumer_id int, shard int, epoch bigint) RETURNS outbox._cursor_log
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    cur outbox._cursor_log;
+BEGIN
+    PERFORM outbox._not_null(shard IS NULL, 'shard', 'the function (the shard a claimed row came with)');
+    PERFORM outbox._not_null(epoch IS NULL, 'epoch', 'the function (the epoch a claimed row came with)');
+    PERFORM outbox._check_shard(shard);
+    PERFORM FROM outbox._shards s
+     WHERE s.consumer_id = _leased.consumer_id AND s.shard = _leased.shard FOR UPDATE;
+    cur := outbox._cursor(consumer_id, shard);
+    IF cur.epoch IS DISTINCT FROM epoch OR cur.owner IS NULL THEN
+        RAISE EXCEPTION 'the batch of shard % with epoch % is no longer held', shard, epoch
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  DETAIL = format('The shard is at epoch %s%s.', cur.epoch,
+                                  CASE WHEN cur.owner IS NULL THEN ', with no batch out' ELSE
+                                  format(', held by %s', cur.owner) END),
+                  HINT = 'Its lease expired and another claim took the shard, or it was already '
+                         'acked or released; drop the batch and claim again.';
+    END IF;
+    RETURN cur;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._backoff(c outbox.consumers, attempts int) RETURNS interval
+    LANGUAGE sql VOLATILE
+    RETURN least(c.backoff_max, c.backoff_base * power(2, least(attempts - 1, 30)))
+           * (0.5 + random() / 2);
+
+-- The head of a parked key failed: count it, schedule the retry; past max_attempts (or at once
+-- when the failure is final) move the head to dead_letters and let the key move on.
+CREATE OR REPLACE FUNCTION outbox._head_failed(c outbox.consumers, key text, error text,
+                                    retry_after interval, epoch bigint, final boolean) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    n int;
+BEGIN
+    UPDATE outbox._parked p
+       SET attempts = p.attempts + 1, last_error = error, nacked_epoch = epoch,
+           next_attempt_at = now() + coalesce(retry_after, outbox._backoff(c, p.attempts + 1))
+     WHERE p.consumer_id = c.id AND p.aggregate_id = key
+    RETURNING p.attempts INTO n;
+    IF n < c.max_attempts AND NOT final THEN
+        RETURN;
+    END IF;
+    WITH head AS (
+        DELETE FROM outbox._parked_events q
+         WHERE (q.consumer_id, q.aggregate_id, q.pos) =
+               (SELECT h.consumer_id, h.aggregate_id, h.pos FROM outbox._parked_events h
+                 WHERE h.consumer_id = c.id AND h.aggregate_id = key ORDER BY h.pos LIMIT 1)
+        RETURNING q.*)
+    INSERT INTO outbox.dead_letters (consumer, event_id, topic, aggregate_type, aggregate_id,
+                                     event_type, payload, headers, created_at, seq, attempts, last_error)
+    SELECT c.name, h.id, h.topic, h.aggregate_type, h.aggregate_id, h.event_type, h.payload,
+           h.headers, h.created_at, h.seq, n, error
+      FROM head h;
+    UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
+     WHERE p.consumer_id = c.id AND p.aggregate_id = key;
+    PERFORM outbox._unpark_if_empty(c.id, key);
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._unpark_if_empty(consumer_id int, key text) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    DELETE FROM outbox._parked p
+     WHERE p.consumer_id = _unpark_if_empty.consumer_id AND p.aggregate_id = _unpark_if_empty.key
+       AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                        WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
+END
+$$;
+
+-- Copy events of parked keys into their queues (idempotent: a re-claim copies nothing twice).
+CREATE OR REPLACE FUNCTION outbox._queue_parked(consumer_id int, events outbox.events[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+#variable_conflict use_column
+BEGIN
+    INSERT INTO outbox._parked_events AS q (consumer_id, aggregate_id, id, topic, aggregate_type,
+                                            event_type, payload, headers, created_at, seq)
+    SELECT _queue_parked.consumer_id, e.aggregate_id, e.id, e.topic, e.aggregate_type,
+           e.event_type, e.payload, e.headers, e.created_at, e.seq
+      FROM unnest(events) AS e
+     ORDER BY e.seq
+    ON CONFLICT (consumer_id, id) DO NOTHING;
+END
+$$;
+
+-- Take one shard if it is free and has work: returns its batch (and writes the claim row), or
+-- nothing (and writes nothing, unless it had to move past events of parked keys).
+CREATE OR REPLACE FUNCTION outbox._claim_shard(c outbox.consumers, shard int, batch_size int,
+                                    lease interval, owner text, seq_mark bigint, x xid8)
+RETURNS SETOF outbox.claimed
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    cur       outbox._cursor_log := outbox._cursor(c.id, shard);
+    fresh     boolean;
+    batch     outbox.events[];
+    parked    text[];
+    mine      outbox.events[];
+    heads     outbox.claimed[];
+    exhausted boolean;
+    any_parked boolean;
+    n         bigint;
+BEGIN
+    IF cur.lease_until > now() THEN
+        RETURN;  -- a batch is out under a live lease, or a release asked to wait
+    END IF;
+    any_parked := EXISTS (SELECT FROM outbox._parked p
+                           WHERE p.consumer_id = c.id AND p.shard = _claim_shard.shard);
+    IF NOT any_parked THEN
+        -- The common case: the whole page goes out. It is read once, into the result and into
+        -- the claim row (the bounds, as _append writes them; no row when the page is empty).
+        LOOP
+            fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
+            IF cur.hi_snap IS NULL THEN
+                cur := outbox._open_window(cur, seq_mark, x);
+            END IF;
+            RETURN QUERY
+            WITH page AS MATERIALIZED (
+                     SELECT * FROM outbox._window(_claim_shard.shard, cur, NULL, batch_size)),
+                 claim_row AS (
+                     INSERT INTO outbox._cursor_log
+                         (consumer_id, shard, epoch, owner, lease_until, lo_snap, lo_seq, lo_top,
+                          lo_txids, lo_floors, hi_snap, hi_seq, hi_top, hi_txids, hi_floors,
+                          late_from, late_to, after_seq, batch_end, exhausted, heads,
+                          restored_seq, restored_top)
+                     SELECT cur.consumer_id, cur.shard, cur.epoch + 1, _claim_shard.owner,
+                            now() + lease, cur.lo_snap, cur.lo_seq, cur.lo_top, cur.lo_txids,
+                            cur.lo_floors, cur.hi_snap, cur.hi_seq, cur.hi_top, cur.hi_txids,
+                            cur.hi_floors, cur.late_from, cur.late_to, cur.after_seq, max(p.seq),
+                            count(*) < batch_size, '{}', cur.restored_seq, cur.restored_top
+                       FROM page p HAVING count(*) > 0)
+            SELECT _claim_shard.shard, cur.epoch + 1, p.id, p.topic, p.aggregate_type,
+                   p.aggregate_id, p.event_type, p.payload, p.headers, p.created_at, p.seq, 1
+              FROM page p ORDER BY p.seq;
+            GET DIAGNOSTICS n = ROW_COUNT;
+            EXIT WHEN n > 0 OR fresh;  -- a batch, or nothing new since the last window
+            cur := outbox._next_window(cur);
+        END LOOP;
+        RETURN;
+    END IF;
+    LOOP
+        fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
+        IF cur.hi_snap IS NULL THEN
+            cur := outbox._open_window(cur, seq_mark, x);
+        END IF;
+        batch := ARRAY(SELECT w FROM outbox._window(shard, cur, NULL, batch_size) AS w);
+        exhausted := cardinality(batch) < batch_size;
+        -- keys parked for this consumer do not go out with the shard: they queue behind their head
+        parked := CASE WHEN any_parked THEN
+                      ARRAY(SELECT DISTINCT p.aggregate_id FROM outbox._parked p
+                             WHERE p.consumer_id = c.id AND p.shard = _claim_shard.shard
+                               AND p.aggregate_id IN (SELECT b.aggregate_id FROM unnest(batch) b))
+                  ELSE '{}' END;
+        IF cardinality(parked) > 0 THEN
+            PERFORM outbox._queue_parked(c.id, ARRAY(SELECT b FROM unnest(batch) b
+                                                      WHERE b.aggregate_id = ANY (parked)));
+            mine := ARRAY(SELECT b FROM unnest(batch) b WHERE b.aggregate_id <> ALL (parked));
+        ELSE
+            mine := batch;
+        END IF;
+        EXIT WHEN cardinality(mine) > 0;
+        IF cardinality(batch) > 0 THEN
+            -- only parked keys' events here: record that the shard moved past them, go on
+            cur := outbox._advance(cur, batch[cardinality(batch)].seq, exhausted);
+            PERFORM outbox._append(cur);
+        ELSIF fresh THEN
+            EXIT;  -- nothing new since the last window
+        ELSE
+            cur := outbox._next_window(cur);
+        END IF;
+    END LOOP;
+
+    -- parked keys of this shard that are due: their heads, in the order they fell due
+    heads := CASE WHEN NOT any_parked THEN '{}' ELSE ARRAY(
+        SELECT ROW(_claim_shard.shard, NULL, q.id, q.topic, q.aggregate_type, q.aggregate_id,
+                   q.event_type, q.payload, q.headers, q.created_at, q.seq, p.attempts + 1)::outbox.claimed
+          FROM (SELECT * FROM outbox._parked p
+                 WHERE p.consumer_id = c.id AND p.shard = _claim_shard.shard
+                   AND p.next_attempt_at <= now()
+                 ORDER BY p.next_attempt_at LIMIT batch_size) AS p
+         CROSS JOIN LATERAL (SELECT * FROM outbox._parked_events q
+                              WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
+                              ORDER BY q.pos LIMIT 1) AS q
+         ORDER BY p.next_attempt_at) END;
+    IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
+        RETURN;
+    END IF;
+
+    cur.epoch := cur.epoch + 1;
+    cur.owner := owner;
+    cur.lease_until := now() + lease;
+    cur.batch_end := CASE WHEN cardinality(batch) > 0 THEN batch[cardinality(batch)].seq
+                          ELSE cur.after_seq END;
+    cur.exhausted := exhausted;
+    cur.heads := ARRAY(SELECT h.id FROM unnest(heads) h);
+    PERFORM outbox._append(cur);
+
+    RETURN QUERY
+    SELECT _claim_shard.shard, cur.epoch, m.id, m.topic, m.aggregate_type, m.aggregate_id,
+           m.event_type, m.payload, m.headers, m.created_at, m.seq, 1
+      FROM unnest(mine) AS m;
+    RETURN QUERY
+    SELECT h.shard, cur.epoch, h.id, h.topic, h.aggregate_type, h.aggregate_id, h.event_type,
+           h.payload, h.headers, h.created_at, h.seq, h.attempt
+      FROM unnest(heads) AS h;
+END
+$$;
+
+---------------------------------------------------------------------------------------------
+-- API
+---------------------------------------------------------------------------------------------
+
+CREATE OR REPLACE FUNCTION outbox.create_consumer(
+    name          text,
+    from_beginning boolean  DEFAULT false,
+    max_attempts  int      DEFAULT 10,
+    backoff_base  interval DEFAULT '1 second',
+    backoff_max   interval DEFAULT '10 minutes'
+) RETURNS void
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    rebased boolean := outbox._rebase_if_restored();  -- first: it may write
+    c_id   int;
+    -- The first bound, taken as claims take theirs (see the header); if this transaction has
+    -- written already, its xid may be older than the seq, so start the seq bound at 0.
+    -- (never below a restored dump's events: their txids are not this cluster's)
+    restored bigint := coalesce((SELECT o.restored_seq FROM outbox._origin o), 0);
+    lo_seq bigint := CASE WHEN pg_current_xact_id_if_assigned() IS NULL
+                          THEN coalesce(pg_sequence_last_value('outbox.event_seq'), 0) ELSE restored END;
+    x      xid8 := pg_current_xact_id();
+    lo     pg_snapshot := pg_current_snapshot();
+    lo_top xid8 := outbox._top(lo, x);
+BEGIN
+    PERFORM outbox._not_null(name IS NULL, 'name', 'outbox.create_consumer');
+    PERFORM outbox._not_null(from_beginning IS NULL, 'from_beginning', 'outbox.create_consumer');
+    PERFORM outbox._not_null(max_attempts IS NULL, 'max_attempts', 'outbox.create_consumer');
+    PERFORM outbox._not_null(backoff_base IS NULL, 'backoff_base', 'outbox.create_consumer');
+    PERFORM outbox._not_null(backoff_max IS NULL, 'backoff_max', 'outbox.create_consumer');
+    IF name = '' OR length(name) > 128 THEN
+        RAISE EXCEPTION 'consumer name must be 1 to 128 characters'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Name the consumer after its sink.';
+    END IF;
+    PERFORM outbox._check_interval(backoff_base, 'backoff_base', '30 days', false);
+    PERFORM outbox._check_interval(backoff_max, 'backoff_max', '30 days', false);
+    IF max_attempts < 1 OR backoff_max < backoff_base THEN
+        RAISE EXCEPTION 'invalid retry policy (max_attempts %, backoff % to %)',
+                max_attempts, backoff_base, backoff_max
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'max_attempts >= 1 and 0 < backoff_base <= backoff_max.';
+    END IF;
+    INSERT INTO outbox.consumers (name, max_attempts, backoff_base, backoff_max)
+    VALUES (create_consumer.name, create_consumer.max_attempts, create_consumer.backoff_base,
+            create_consumer.backoff_max)
+    ON CONFLICT ON CONSTRAINT consumers_name_key DO NOTHING
+    RETURNING id INTO c_id;
+    IF c_id IS NULL THEN
+        RAISE EXCEPTION 'consumer "%" already exists', name
+            USING ERRCODE = 'duplicate_object',
+                  HINT = 'Pick another name, or outbox.drop_consumer it first.';
+    END IF;
+    INSERT INTO outbox._shards SELECT c_id, s FROM generate_series(0, outbox.shard_count() - 1) s;
+    -- Transactions in progress now get floor 0: their events may be older than anything; this
+    -- transaction's own, lo_seq.
+    -- From the beginning in a database restored from a dump: the dump's events first, in its
+    -- transaction ids (sql/restore.sql).
+    INSERT INTO outbox._cursor_log (consumer_id, shard, epoch, lo_snap, lo_seq, lo_top, lo_txids,
+                                    lo_floors, restored_seq, restored_top)
+    SELECT c_id, s, 0, b.snap, b.seq, b.top, b.txids,
+           ARRAY(SELECT CASE WHEN t = x THEN lo_seq ELSE restored END FROM unnest(b.txids) AS t),
+           o.restored_seq, o.restored_top
+      FROM generate_series(0, outbox.shard_count() - 1) AS s
+      LEFT JOIN outbox._origin o ON from_beginning,
+           (SELECT '1:1:'::pg_snapshot AS snap, 0::bigint AS seq, '1'::xid8 AS top, '{}'::xid8[] AS txids
+             WHERE from_beginning
+            UNION ALL
+            SELECT lo, lo_seq, lo_top, outbox._in_progress(lo, x) WHERE NOT from_beginning) AS b;
+END
+$$;
+COMMENT ON FUNCTION outbox.create_consumer(text, boolean, int, interval, interval) IS
+    'Creates a consumer that reads events committed from now on (or all, from_beginning). '
+    'Example: SELECT outbox.create_consumer(''billing-webhook'', max_attempts => 5);';
+
+CREATE OR REPLACE FUNCTION outbox.drop_consumer(name text) RETURNS boolean
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM outbox._not_null(name IS NULL, 'name', 'outbox.drop_consumer');
+    -- Its shards first, in order, as claims and acks take them before they write a cursor row
+    -- (whose key check waits for the consumer row): deleting the consumer first would deadlock
+    -- with an ack under way.
+    PERFORM FROM outbox._shards s JOIN outbox.consumers c ON c.id = s.consumer_id
+     WHERE c.name = drop_consumer.name ORDER BY s.shard FOR UPDATE OF s;
+    DELETE FROM outbox.dead_letters d WHERE d.consumer = drop_consumer.name;
+    DELETE FROM outbox.consumers c WHERE c.name = drop_consumer.name;
+    RETURN FOUND;
+END
+$$;
+COMMENT ON FUNCTION outbox.drop_consumer(text) IS
+    'Drops a consumer with its cursors, parked keys and dead letters; false if there was none.';
+
+CREATE OR REPLACE FUNCTION outbox.claim(
+    consumer   text,
+    batch_size int      DEFAULT 100,
+    lease      interval DEFAULT '30 seconds',
+    owner      text     DEFAULT NULL
+) RETURNS SETOF outbox.claimed
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    rebased boolean := outbox._rebase_if_restored();  -- first: it may write
+    c     outbox.consumers := outbox._consumer(consumer);
+    n     int := outbox.shard_count();
+    start int := floor(random() * n)::int;
+    s     int;
+    seq_mark bigint;
+    x     xid8;
+BEGIN
+    -- The bound of any window this claim opens: the seq, then a fresh xid (see the header).
+    IF rebased THEN
+        RETURN;  -- this transaction rebased a restored database (it wrote): claim in the next
+    END IF;
+    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
+        RAISE EXCEPTION 'outbox.claim must come before any write in its transaction'
+            USING ERRCODE = 'active_sql_transaction',
+                  HINT = 'Call claim in a transaction of its own (autocommit is fine), and ack or '
+                         'nack in the next ones.';
+    END IF;
+    PERFORM outbox._not_null(batch_size IS NULL, 'batch_size', 'outbox.claim');
+    PERFORM outbox._not_null(lease IS NULL, 'lease', 'outbox.claim');
+    PERFORM outbox._check_interval(lease, 'lease', '1 day', false);
+    IF batch_size < 1 OR batch_size > 100000 THEN
+        RAISE EXCEPTION 'batch_size % is out of range', batch_size
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass 1 to 100000.';
+    END IF;
+    seq_mark := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
+    x := pg_current_xact_id();
+    IF coalesce((SELECT m.at FROM outbox._marks m ORDER BY m.top DESC LIMIT 1), '-infinity')
+       < now() - interval '1 second' THEN
+        INSERT INTO outbox._marks (top, seq) VALUES (x, seq_mark) ON CONFLICT DO NOTHING;
+    END IF;
+    FOR i IN 0 .. n - 1 LOOP
+        s := (start + i) % n;
+        PERFORM FROM outbox._shards sh WHERE sh.consumer_id = c.id AND sh.shard = s
+            FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;  -- another claim is taking this shard right now
+        RETURN QUERY SELECT * FROM outbox._claim_shard(c, s, batch_size, lease,
+                                                       coalesce(owner, 'backend ' || pg_backend_pid()),
+                                                       seq_mark, x);
+        IF FOUND THEN
+            RETURN;
+        END IF;
+    END LOOP;
+END
+$$;
+COMMENT ON FUNCTION outbox.claim(text, int, interval, text) IS
+    'Takes one free shard under a lease and returns its next events in commit order (at most '
+    'batch_size, plus parked keys due for retry); nothing when no shard has work. '
+    'Example: SELECT * FROM outbox.claim(''billing-webhook'', 100, ''30 seconds'');';
+
+CREATE OR REPLACE FUNCTION outbox.ack(consumer text, shard int, epoch bigint) RETURNS void
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    c   outbox.consumers := outbox._consumer(consumer);
+    cur outbox._cursor_log := outbox._leased(c.id, shard, epoch);
+    key text;
+BEGIN
+    -- parked heads that went out in this batch and were not nacked: delivered
+    IF cardinality(cur.heads) > 0 THEN
+        FOR key IN
+            DELETE FROM outbox._parked_events q
+             USING outbox._parked p
+             WHERE q.consumer_id = c.id AND q.id = ANY (cur.heads)
+               AND p.consumer_id = q.consumer_id AND p.aggregate_id = q.aggregate_id
+               AND p.nacked_epoch IS DISTINCT FROM ack.epoch
+            RETURNING q.aggregate_id
+        LOOP
+            UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
+             WHERE p.consumer_id = c.id AND p.aggregate_id = key;
+            PERFORM outbox._unpark_if_empty(c.id, key);
+        END LOOP;
+    END IF;
+    PERFORM outbox._append(outbox._advance(cur, cur.batch_end, cur.exhausted));
+END
+$$;
+COMMENT ON FUNCTION outbox.ack(text, int, bigint) IS
+    'Finishes a claimed batch: every event not nacked counts as delivered and the shard moves on. '
+    'Example: SELECT outbox.ack(''billing-webhook'', 3, 17);';
+
+-- A claimed event failed (nack), or failed for good (reject, final): park its key, count the
+-- failure of the key's head.
+CREATE OR REPLACE FUNCTION outbox._fail(consumer text, shard int, epoch bigint, event_id uuid, error text,
+                             retry_after interval, final boolean) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    c   outbox.consumers := outbox._consumer(consumer);
+    cur outbox._cursor_log;
+    ev  outbox.events;
+    key text;
+BEGIN
+    PERFORM outbox._not_null(event_id IS NULL, 'event_id', 'nack or reject');
+    IF retry_after IS NOT NULL THEN
+        PERFORM outbox._check_interval(retry_after, 'retry_after', '30 days', true);
+    END IF;
+    cur := outbox._leased(c.id, shard, epoch);
+    IF event_id = ANY (cur.heads) THEN
+        SELECT q.aggregate_id INTO key FROM outbox._parked_events q
+         WHERE q.consumer_id = c.id AND q.id = _fail.event_id;
+    ELSE
+        SELECT * INTO ev FROM outbox._window(shard, cur, cur.batch_end, NULL) w WHERE w.id = event_id;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'event % is not in the batch of shard % with epoch %', event_id, shard, epoch
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'Nack only events that this claim returned.';
+        END IF;
+        key := ev.aggregate_id;
+        IF EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = c.id AND p.aggregate_id = key
+                                                    AND p.nacked_epoch = _fail.epoch) THEN
+            RETURN;  -- the key already failed in this batch; later events of it wait anyway
+        END IF;
+        -- park the key: this event and the key's later events of the batch queue up, in order
+        INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+        VALUES (c.id, key, shard, now());
+        PERFORM outbox._queue_parked(c.id, ARRAY(
+            SELECT w FROM outbox._window(shard, cur, cur.batch_end, NULL) w
+             WHERE w.aggregate_id = key AND w.seq >= ev.seq));
+    END IF;
+    PERFORM outbox._head_failed(c, key, error, retry_after, epoch, final);
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox.nack(consumer text, shard int, epoch bigint, event_id uuid, error text,
+                            retry_after interval DEFAULT NULL) RETURNS void
+    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    RETURN outbox._fail(consumer, shard, epoch, event_id, error, retry_after, false);
+COMMENT ON FUNCTION outbox.nack(text, int, bigint, uuid, text, interval) IS
+    'Reports that one claimed event failed: its key is parked (the shard goes on without it) and '
+    'retried with backoff, or after retry_after; call ack afterwards for the rest of the batch. '
+    'Example: SELECT outbox.nack(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 500'');';
+
+CREATE OR REPLACE FUNCTION outbox.reject(consumer text, shard int, epoch bigint, event_id uuid, error text)
+RETURNS void
+    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    RETURN outbox._fail(consumer, shard, epoch, event_id, error, NULL, true);
+COMMENT ON FUNCTION outbox.reject(text, int, bigint, uuid, text) IS
+    'Reports that one claimed event can never be delivered (e.g. HTTP 400): it goes to '
+    'outbox.dead_letters at once and its key moves on; call ack afterwards for the rest of the batch. '
+    'Example: SELECT outbox.reject(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 422'');';
+
+CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint,
+                               retry_after interval DEFAULT '0') RETURNS void
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    c   outbox.consumers := outbox._consumer(consumer);
+    cur outbox._cursor_log;
+BEGIN
+    PERFORM outbox._not_null(retry_after IS NULL, 'retry_after', 'outbox.release');
+    PERFORM outbox._check_interval(retry_after, 'retry_after', '30 days', true);
+    cur := outbox._leased(c.id, shard, epoch);
+    cur.owner := NULL;
+    cur.lease_until := CASE WHEN retry_after > '0' THEN now() + retry_after END;
+    cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
+    PERFORM outbox._append(cur);
+END
+$$;
+COMMENT ON FUNCTION outbox.release(text, int, bigint, interval) IS
+    'Gives a claimed batch back undelivered (e.g. the sink is down): the shard stays where it was '
+    'and is not claimed again before retry_after. Example: SELECT outbox.release(''hook'', 3, 17, ''5 s'');';
+
+CREATE OR REPLACE FUNCTION outbox.release_owner(consumer text, owner text) RETURNS int
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    c   outbox.consumers := outbox._consumer(consumer);
+    s   int;
+    cur outbox._cursor_log;
+    n   int := 0;
+BEGIN
+    PERFORM outbox._not_null(owner IS NULL, 'owner', 'outbox.release_owner');
+    FOR s IN SELECT sh.shard FROM outbox._shards sh WHERE sh.consumer_id = c.id
+              ORDER BY sh.shard FOR UPDATE LOOP
+        cur := outbox._cursor(c.id, s);
+        CONTINUE WHEN cur.owner IS DISTINCT FROM release_owner.owner OR cur.lease_until <= now();
+        cur.owner := NULL; cur.lease_until := NULL;
+        cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
+        PERFORM outbox._append(cur);
+        n := n + 1;
+    END LOOP;
+    RETURN n;
+END
+$$;
+COMMENT ON FUNCTION outbox.release_owner(text, text) IS
+    'Gives back every batch a relay (by its claim owner name) holds for the consumer, e.g. after '
+    'the relay died; its late acks are refused. Returns how many. '
+    'Example: SELECT outbox.release_owner(''hook'', ''relay-7'');';
+
+CREATE OR REPLACE FUNCTION outbox.replay(consumer text, aggregate_id text DEFAULT NULL) RETURNS int
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    c outbox.consumers := outbox._consumer(consumer);
+    n int;
+BEGIN
+    -- Hold every shard of the consumer so no ack unparks a key while we queue into it.
+    PERFORM FROM outbox._shards s WHERE s.consumer_id = c.id ORDER BY s.shard FOR UPDATE;
+    INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+    SELECT DISTINCT c.id, d.aggregate_id, outbox.shard_of(d.aggregate_id), now()
+      FROM outbox.dead_letters d
+     WHERE d.consumer = c.name AND (replay.aggregate_id IS NULL OR d.aggregate_id = replay.aggregate_id)
+    ON CONFLICT DO NOTHING;
+    WITH moved AS (
+        DELETE FROM outbox.dead_letters d
+         WHERE d.consumer = c.name AND (replay.aggregate_id IS NULL OR d.aggregate_id = replay.aggregate_id)
+        RETURNING d.*)
+    INSERT INTO outbox._parked_events (consumer_id, aggregate_id, id, topic, aggregate_type,
+                                       event_type, payload, headers, created_at, seq)
+    SELECT c.id, m.aggregate_id, m.event_id, m.topic, m.aggregate_type, m.event_type, m.payload,
+           m.headers, m.created_at, m.seq
+      FROM moved m ORDER BY m.id
+    ON CONFLICT (consumer_id, id) DO NOTHING;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    RETURN n;
+END
+$$;
+COMMENT ON FUNCTION outbox.replay(text, text) IS
+    'Re-queues a consumer''s dead letters (all, or of one key), in the order they died, behind '
+    'anything already queued for their keys; returns how many. Example: SELECT outbox.replay(''hook'');';
 
 -- As pgrx declares it (src/sinks/check.rs).
 CREATE OR REPLACE FUNCTION outbox."_check_sink_settings"(
@@ -44,12 +1065,826 @@ IMMUTABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'check_sink_settings_wrapper';
 
--- @include inbox.sql
--- @include sinks.sql
--- @include partitions.sql
--- @include restore.sql
--- @include status.sql
--- @include drop_guard.sql
+-- outbox_ext: the inbox — dedup for idempotent consumers.
+--
+-- inbox.claim(message_id, consumer) inserts (message_id, consumer) with ON CONFLICT DO NOTHING,
+-- in the caller's transaction, next to the effect it guards. The table is partitioned by
+-- message_id: outbox event ids are UUIDv7, whose leading 48 bits are the Unix time in ms, so
+-- id ranges are time ranges, the primary key holds across partitions, and the dedup window
+-- (retention) is enforced by dropping old partitions. Ids that are not UUIDv7 dedup all the
+-- same in the default partition.
+--
+-- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
+-- Name resolution (sql/grants.sql): inbox.claim is [pinned], uuid_at and uuid_time [parsed].
+
+CREATE TABLE IF NOT EXISTS inbox.messages (
+    message_id  uuid        NOT NULL,
+    consumer    text        NOT NULL,
+    received_at timestamptz NOT NULL DEFAULT now()
+) PARTITION BY RANGE (message_id);  -- each partition has its unique key (sql/partitions.sql)
+COMMENT ON TABLE inbox.messages IS
+    'Messages consumers have processed, for dedup; partitioned by message_id (UUIDv7 time).';
+
+-- The smallest UUIDv7 of a moment, and the moment of a UUIDv7: partition bounds of the inbox.
+CREATE OR REPLACE FUNCTION inbox.uuid_at(ts timestamptz) RETURNS uuid
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN (lpad(to_hex(floor(extract(epoch FROM ts) * 1000)::bigint), 12, '0') || '70008000000000000000')::uuid;
+COMMENT ON FUNCTION inbox.uuid_at(timestamptz) IS 'The smallest UUIDv7 made at a moment.';
+CREATE OR REPLACE FUNCTION inbox.uuid_time(id uuid) RETURNS timestamptz
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN to_timestamp(('x' || lpad(left(replace(id::text, '-', ''), 12), 16, '0'))::bit(64)::bigint / 1000.0);
+COMMENT ON FUNCTION inbox.uuid_time(uuid) IS 'The time a UUIDv7 was made (meaningless for other UUIDs).';
+
+CREATE OR REPLACE FUNCTION inbox.claim(message_id uuid, consumer text) RETURNS boolean
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF message_id IS NULL OR consumer IS NULL THEN
+        RAISE EXCEPTION '% must not be NULL', CASE WHEN message_id IS NULL THEN 'message_id' ELSE 'consumer' END
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass the event id you received and your consumer''s name.';
+    END IF;
+    IF consumer = '' THEN
+        RAISE EXCEPTION 'consumer must not be empty'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass your consumer''s name.';
+    END IF;
+    INSERT INTO inbox.messages (message_id, consumer) VALUES (claim.message_id, claim.consumer)
+    ON CONFLICT DO NOTHING;
+    RETURN FOUND;
+END
+$$;
+COMMENT ON FUNCTION inbox.claim(uuid, text) IS
+    'True if the caller''s transaction is the first to process this message for this consumer. '
+    'A racing duplicate waits for the first transaction: false if it commits, true if it rolls back. '
+    'Example: IF inbox.claim(event_id, ''billing'') THEN <apply the effect> END IF;';
+-- outbox_ext: sinks — where the background worker delivers events. A sink is a row here plus
+-- a consumer of the same name (its cursors, retry policy, parked keys and dead letters).
+-- Only outbox_admin can read or change this table: it holds secrets. The worker rereads it
+-- every second, so changes apply without a restart.
+--
+-- Rerunnable (upgrade scripts include it): tables only where missing, functions replaced.
+-- Name resolution (sql/grants.sql): the trigger function is [pinned], create_sink and drop_sink
+-- are [caller], outbox._check_sink_settings is [native], _is_string_map is [parsed].
+
+CREATE TABLE IF NOT EXISTS outbox.sinks (
+    name            text        PRIMARY KEY REFERENCES outbox.consumers (name)
+                                ON UPDATE CASCADE ON DELETE CASCADE,
+    kind            text        NOT NULL,   -- webhook | kafka_rest_v2 | kafka_rest_v3
+    url             text        NOT NULL,   -- webhook: the endpoint; Kafka: the proxy's base URL
+    enabled         boolean     NOT NULL DEFAULT true,
+    topics          text[],                 -- routing: only events of these topics (NULL: all)
+    aggregate_types text[],                 -- routing: only these aggregate types (NULL: all)
+    format          text,                   -- webhook: batch | single; v2: json | binary;
+                                            -- v3: json | binary | string (NULL: the first)
+    batch_size      int         NOT NULL DEFAULT 100,
+    concurrency     int         NOT NULL DEFAULT 4,   -- shards (requests) in flight at once
+    connect_timeout interval    NOT NULL DEFAULT '5 seconds',
+    request_timeout interval    NOT NULL DEFAULT '30 seconds',
+    secret          text,                   -- webhook: Standard Webhooks key, whsec_<base64>
+    http_headers    jsonb,                  -- extra request headers, e.g. Authorization
+    tls_ca          text,                   -- PEM CA certificates trusted instead of the public roots
+    topic_map       jsonb,                  -- Kafka: {"event topic": "Kafka topic"}
+    cluster_id      text,                   -- Kafka v3: the cluster in the URL path
+    updated_at      timestamptz NOT NULL DEFAULT now()
+);
+COMMENT ON TABLE outbox.sinks IS
+    'Where the background worker delivers events (admins only: holds secrets). Add one with '
+    'outbox.create_sink; change it with UPDATE (applies within a second); retry policy is in '
+    'outbox.consumers under the same name.';
+
+-- What the worker reports per sink (a few UPDATEs a second at most, HOT).
+CREATE TABLE IF NOT EXISTS outbox._sink_stats (
+    sink              text        PRIMARY KEY REFERENCES outbox.sinks ON UPDATE CASCADE ON DELETE CASCADE,
+    delivered         bigint      NOT NULL DEFAULT 0,
+    failed            bigint      NOT NULL DEFAULT 0,
+    per_second        float8      NOT NULL DEFAULT 0,
+    last_delivered_at timestamptz,
+    last_error        text,
+    last_error_at     timestamptz,
+    updated_at        timestamptz NOT NULL DEFAULT now()
+);
+
+-- Every check a sink row must pass, with the fix in the hint; also stamps updated_at (the
+-- worker rebuilds a sink's client when it changes). SECURITY DEFINER: it calls internal
+-- helpers that admins cannot execute directly.
+CREATE OR REPLACE FUNCTION outbox._check_sink() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    topic   text;
+    formats text[] := CASE NEW.kind WHEN 'webhook' THEN ARRAY['batch', 'single']
+                                    WHEN 'kafka_rest_v2' THEN ARRAY['json', 'binary']
+                                    WHEN 'kafka_rest_v3' THEN ARRAY['json', 'binary', 'string'] END;
+BEGIN
+    PERFORM outbox._not_null(NEW.kind IS NULL, 'kind', 'outbox.create_sink');
+    PERFORM outbox._not_null(NEW.url IS NULL, 'url', 'outbox.create_sink');
+    PERFORM outbox._not_null(NEW.batch_size IS NULL, 'batch_size', 'outbox.create_sink');
+    PERFORM outbox._not_null(NEW.concurrency IS NULL, 'concurrency', 'outbox.create_sink');
+    PERFORM outbox._not_null(NEW.connect_timeout IS NULL, 'connect_timeout', 'outbox.create_sink');
+    PERFORM outbox._not_null(NEW.request_timeout IS NULL, 'request_timeout', 'outbox.create_sink');
+    PERFORM outbox._not_null(NEW.enabled IS NULL, 'enabled', 'outbox.sinks');
+    IF cardinality(NEW.topics) = 0 OR cardinality(NEW.aggregate_types) = 0
+       OR array_position(NEW.topics, NULL) IS NOT NULL
+       OR array_position(NEW.aggregate_types, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION 'topics and aggregate_types must be NULL (all) or lists of names'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'An empty list or a NULL in one would match nothing: pass NULL for all.';
+    END IF;
+    IF formats IS NULL THEN
+        RAISE EXCEPTION 'unknown sink kind "%"', NEW.kind USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'kind is webhook, kafka_rest_v2 or kafka_rest_v3.';
+    END IF;
+    NEW.format := coalesce(NEW.format, formats[1]);
+    IF NOT NEW.format = ANY (formats) THEN
+        RAISE EXCEPTION 'format "%" does not fit a % sink', NEW.format, NEW.kind
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = format('Use one of %s, or NULL for %s.', array_to_string(formats, ', '), formats[1]);
+    END IF;
+    IF NEW.url !~ '^https?://[^/?#\s]+[^\s]*$' THEN
+        RAISE EXCEPTION 'invalid sink URL "%"', NEW.url USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give an absolute http:// or https:// URL, e.g. https://hooks.example.com/outbox.';
+    END IF;
+    IF NEW.batch_size NOT BETWEEN 1 AND 10000 OR NEW.concurrency NOT BETWEEN 1 AND 64 THEN
+        RAISE EXCEPTION 'batch_size % or concurrency % is out of range', NEW.batch_size, NEW.concurrency
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'batch_size is 1 to 10000; concurrency is 1 to 64.';
+    END IF;
+    IF NOT (NEW.connect_timeout > '0' AND NEW.request_timeout > '0'
+            AND NEW.connect_timeout <= '1 hour' AND NEW.request_timeout <= '1 hour') THEN
+        RAISE EXCEPTION 'timeouts must be positive and at most an hour'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. connect_timeout => ''5 s'', request_timeout => ''30 s''.';
+    END IF;
+    IF NOT outbox._is_string_map(NEW.http_headers) OR NOT outbox._is_string_map(NEW.topic_map) THEN
+        RAISE EXCEPTION 'http_headers and topic_map must be JSON objects of strings'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. ''{"Authorization": "Bearer t0ken"}''.';
+    END IF;
+    IF EXISTS (SELECT FROM jsonb_each_text(NEW.topic_map) AS m(k, v)
+                WHERE v !~ '^[A-Za-z0-9._-]{1,249}$' OR v IN ('.', '..')) THEN
+        RAISE EXCEPTION 'topic_map renames to a name that is not a Kafka topic name'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Kafka topics are 1 to 249 of [A-Za-z0-9._-], not "." or "..".';
+    END IF;
+    -- the secret's key, each header, each CA certificate: as the worker will use them (Rust)
+    PERFORM outbox._check_sink_settings(NEW.secret, NEW.http_headers, NEW.tls_ca);
+    -- topics filter event topics; a name that topic_map only renames to is a Kafka topic
+    FOR topic IN SELECT t FROM unnest(NEW.topics) AS t
+                  WHERE NEW.topic_map IS NOT NULL AND NOT NEW.topic_map ? t
+                    AND t IN (SELECT v FROM jsonb_each_text(NEW.topic_map) AS m(k, v)) LOOP
+        RAISE NOTICE 'sink "%": topics lists "%", a Kafka topic that topic_map renames to; events are matched by their own topic', NEW.name, topic
+            USING HINT = format('List the event topics instead (%s), or drop topic_map.',
+                                (SELECT string_agg(k, ', ') FROM jsonb_each_text(NEW.topic_map) AS m(k, v) WHERE v = topic));
+    END LOOP;
+    IF NEW.kind = 'kafka_rest_v3' AND coalesce(NEW.cluster_id, '') = '' THEN
+        RAISE EXCEPTION 'a kafka_rest_v3 sink needs its cluster_id' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Pass cluster_id => ''...''; GET /v3/clusters on the proxy lists it.';
+    END IF;
+    NEW.updated_at := now();
+    RETURN NEW;
+END
+$$;
+
+-- Whether a sink delivers an event (src/sinks/mod.rs, Config::routes, applies the same rule):
+-- topics match the event's topic, the one it was emitted with or else its aggregate type (the
+-- topic it goes to, before topic_map renames it); aggregate_types its aggregate type.
+CREATE OR REPLACE FUNCTION outbox._routes(sink outbox.sinks, topic text, aggregate_type text) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN (sink.topics IS NULL OR coalesce(topic, aggregate_type) = ANY (sink.topics))
+       AND (sink.aggregate_types IS NULL OR aggregate_type = ANY (sink.aggregate_types));
+
+CREATE OR REPLACE FUNCTION outbox._is_string_map(j jsonb) RETURNS boolean
+    LANGUAGE sql IMMUTABLE
+    RETURN j IS NULL OR (jsonb_typeof(j) = 'object' AND
+                         NOT jsonb_path_exists(j, '$.* ? (@.type() != "string")'));
+
+CREATE OR REPLACE TRIGGER check_sink BEFORE INSERT OR UPDATE ON outbox.sinks
+    FOR EACH ROW EXECUTE FUNCTION outbox._check_sink();
+
+CREATE OR REPLACE FUNCTION outbox.create_sink(
+    name            text,
+    kind            text,
+    url             text,
+    topics          text[]   DEFAULT NULL,
+    aggregate_types text[]   DEFAULT NULL,
+    format          text     DEFAULT NULL,
+    batch_size      int      DEFAULT 100,
+    concurrency     int      DEFAULT 4,
+    connect_timeout interval DEFAULT '5 seconds',
+    request_timeout interval DEFAULT '30 seconds',
+    secret          text     DEFAULT NULL,
+    http_headers    jsonb    DEFAULT NULL,
+    tls_ca          text     DEFAULT NULL,
+    topic_map       jsonb    DEFAULT NULL,
+    cluster_id      text     DEFAULT NULL,
+    max_attempts    int      DEFAULT 10,
+    backoff_base    interval DEFAULT '1 second',
+    backoff_max     interval DEFAULT '10 minutes',
+    from_beginning  boolean  DEFAULT false
+) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM outbox.create_consumer(name, from_beginning, max_attempts, backoff_base, backoff_max);
+    INSERT INTO outbox.sinks (name, kind, url, topics, aggregate_types, format, batch_size,
+                              concurrency, connect_timeout, request_timeout, secret, http_headers,
+                              tls_ca, topic_map, cluster_id)
+    VALUES (name, kind, url, topics, aggregate_types, format, batch_size, concurrency,
+            connect_timeout, request_timeout, secret, http_headers, tls_ca, topic_map, cluster_id);
+END
+$$;
+COMMENT ON FUNCTION outbox.create_sink(text, text, text, text[], text[], text, int, int, interval,
+                                       interval, text, jsonb, text, jsonb, text, int, interval,
+                                       interval, boolean) IS
+    'Adds a sink and its consumer; the worker delivers to it within a second, events committed '
+    'from now on (or all, from_beginning). Example: SELECT outbox.create_sink(''billing'', '
+    '''webhook'', ''https://billing.example.com/hooks'', secret => ''whsec_...'');';
+
+CREATE OR REPLACE FUNCTION outbox.drop_sink(name text) RETURNS boolean
+    LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp
+    RETURN outbox.drop_consumer(name);
+COMMENT ON FUNCTION outbox.drop_sink(text) IS
+    'Drops a sink with its consumer, parked keys and dead letters; false if there was none. '
+    'Example: SELECT outbox.drop_sink(''billing'');';
+-- outbox_ext: partitions of the event log and the inbox, and their maintenance.
+--
+-- outbox.events is partitioned by created_at, inbox.messages by message_id (UUIDv7, so by
+-- time too). outbox.maintain() keeps both: it creates partitions ahead, drops (or detaches)
+-- those past their retention — for events only once every consumer has read past all of their
+-- events — and moves rows that landed in a default partition into partitions of their own.
+-- Partitions are named <parent>_pYYYYMMDD_HH24MISS after their lower bound in UTC.
+--
+-- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
+-- Name resolution (sql/grants.sql): maintain() is [pinned]; the helpers that run dynamic SQL
+-- (_create_partition, _partition_pending, _revoke_all, _index_partition) pin search_path too,
+-- the others are [parsed]; the view is [parsed].
+
+CREATE TABLE IF NOT EXISTS outbox.partition_config (
+    parent    regclass PRIMARY KEY,
+    width     interval NOT NULL CHECK (width > '0'),
+    ahead     int      NOT NULL DEFAULT 2 CHECK (ahead >= 0),
+    retention interval NOT NULL CHECK (retention >= '0'),
+    detach    boolean  NOT NULL DEFAULT false
+);
+COMMENT ON TABLE outbox.partition_config IS
+    'How outbox.maintain() partitions each table: width of a partition, how many to create ahead, '
+    'how long to keep them (for events: after every consumer has read them), and whether to detach '
+    'instead of drop. Example: UPDATE outbox.partition_config SET retention = ''3 days'' WHERE parent = ''outbox.events''::regclass;';
+INSERT INTO outbox.partition_config (parent, width, ahead, retention) VALUES
+    ('outbox.events', '1 day', 2, '2 days'),
+    ('inbox.messages', '1 day', 2, '7 days')
+ON CONFLICT (parent) DO NOTHING;
+
+CREATE OR REPLACE FUNCTION outbox._partition_name(parent text, lo_at timestamptz) RETURNS text
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN parent || '_p' || pg_catalog.to_char(lo_at AT TIME ZONE 'UTC', 'YYYYMMDD"_"HH24MISS');
+
+-- The partition key column of a table, and its value at a moment, as a literal (the inbox's
+-- key is a UUIDv7).
+CREATE OR REPLACE FUNCTION outbox._key_column(parent regclass) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN 'message_id' ELSE 'created_at' END;
+-- The time of a row's partition key, as an SQL expression.
+CREATE OR REPLACE FUNCTION outbox._key_time(parent regclass) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN 'inbox.uuid_time(message_id)' ELSE 'created_at' END;
+CREATE OR REPLACE FUNCTION outbox._bound(parent regclass, at timestamptz) RETURNS text
+    LANGUAGE sql STABLE
+    RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN inbox.uuid_at(at)::text ELSE at::text END;
+
+-- Every partition of the two tables with its time range (NULLs for a default partition).
+CREATE OR REPLACE VIEW outbox.partitions AS
+SELECT i.inhparent::regclass AS parent,
+       c.oid::regclass AS partition,
+       CASE WHEN i.inhparent = 'inbox.messages'::regclass THEN inbox.uuid_time(b[1]::uuid) ELSE b[1]::timestamptz END AS lower,
+       CASE WHEN i.inhparent = 'inbox.messages'::regclass THEN inbox.uuid_time(b[2]::uuid) ELSE b[2]::timestamptz END AS upper,
+       b IS NULL AS is_default,
+       pg_total_relation_size(c.oid) AS bytes
+  FROM pg_inherits i
+  JOIN pg_class c ON c.oid = i.inhrelid
+  LEFT JOIN LATERAL regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \(''([^'']*)''\) TO \(''([^'']*)''\)') AS b ON true
+ WHERE i.inhparent IN ('outbox.events'::regclass, 'inbox.messages'::regclass);
+COMMENT ON VIEW outbox.partitions IS 'Partitions of outbox.events and inbox.messages with their time ranges.';
+
+CREATE OR REPLACE FUNCTION outbox._floor_time(at timestamptz, width interval) RETURNS timestamptz
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN to_timestamp(floor(extract(epoch FROM at) / extract(epoch FROM width)) * extract(epoch FROM width));
+
+-- The index a partition of parent needs: events, (shard, seq, txid), which claims read; the
+-- inbox, unique (message_id, consumer), which dedups (message_id decides the partition, so a
+-- key unique in each partition is unique in the table). Made on each partition, never on the
+-- parent: pg_dump restores the partitions maintain() made as tables of their own, attached to
+-- the parent CREATE EXTENSION made; an index of the parent would be copied onto each at
+-- ATTACH, and the dump's own CREATE INDEX for it would then fail.
+CREATE OR REPLACE FUNCTION outbox._index_partition(parent regclass, part regclass) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    name text := (SELECT c.relname FROM pg_class c WHERE c.oid = part);
+BEGIN
+    IF parent = 'inbox.messages'::regclass THEN
+        EXECUTE format('CREATE UNIQUE INDEX IF NOT EXISTS %I ON %s (message_id, consumer)',
+                       name || '_key', part);
+    ELSE
+        EXECUTE format('CREATE INDEX IF NOT EXISTS %I ON %s (shard, seq, txid)', name || '_read', part);
+    END IF;
+END
+$$;
+
+-- Take every privilege on rel from every role but its owner. A new partition gets its
+-- owner's default privileges (ALTER DEFAULT PRIVILEGES); partitions need no grant at all
+-- (rows are reached through the parent), and a TRIGGER or TRUNCATE grant on one would let its
+-- holder run code inside the worker and the SECURITY DEFINER functions (see sql/grants.sql).
+CREATE OR REPLACE FUNCTION outbox._revoke_all(rel regclass) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    grantee oid;
+BEGIN
+    FOR grantee IN SELECT DISTINCT a.grantee FROM pg_class c, aclexplode(c.relacl) a
+                    WHERE c.oid = rel AND a.grantee <> c.relowner LOOP
+        EXECUTE format('REVOKE ALL ON TABLE %s FROM %s', rel,
+                       CASE WHEN grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(grantee)) END);
+    END LOOP;
+END
+$$;
+
+-- Create the partition [lo_at, lo_at + width) of parent, clipped to the gap between existing
+-- partitions; rows for that range waiting in the default partition move into it first.
+-- Returns the partition created, or NULL if the range is already covered.
+CREATE OR REPLACE FUNCTION outbox._create_partition(parent regclass, lo_at timestamptz, width interval)
+RETURNS regclass
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    hi_at timestamptz := lo_at + width;
+    nsp   text;
+    rel   text;
+    part  text;
+    dflt  regclass;
+BEGIN
+    SELECT greatest(lo_at, max(p.upper)) INTO lo_at FROM outbox.partitions p
+     WHERE p.parent = _create_partition.parent AND NOT p.is_default AND p.upper > lo_at AND p.lower <= lo_at;
+    SELECT least(hi_at, min(p.lower)) INTO hi_at FROM outbox.partitions p
+     WHERE p.parent = _create_partition.parent AND NOT p.is_default AND p.lower >= lo_at AND p.lower < hi_at;
+    IF lo_at >= hi_at THEN
+        RETURN NULL;
+    END IF;
+    SELECT n.nspname, c.relname INTO nsp, rel
+      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = parent;
+    part := outbox._partition_name(rel, lo_at);
+    SELECT p.partition INTO dflt FROM outbox.partitions p
+     WHERE p.parent = _create_partition.parent AND p.is_default;
+    -- Standalone first, then the default partition's rows of the range, then attach: a
+    -- default partition holding rows of the range would make a plain CREATE ... PARTITION OF fail.
+    EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
+                   nsp, part, nsp, rel);
+    IF dflt IS NOT NULL THEN
+        EXECUTE format('WITH moved AS (DELETE FROM %s d WHERE %I >= %L AND %I < %L RETURNING d.*) '
+                       'INSERT INTO %I.%I SELECT * FROM moved',
+                       dflt, outbox._key_column(parent), outbox._bound(parent, lo_at),
+                       outbox._key_column(parent), outbox._bound(parent, hi_at), nsp, part);
+    END IF;
+    PERFORM outbox._index_partition(parent, format('%I.%I', nsp, part)::regclass);
+    EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
+                   nsp, rel, nsp, part, outbox._bound(parent, lo_at), outbox._bound(parent, hi_at));
+    PERFORM outbox._revoke_all(format('%I.%I', nsp, part)::regclass);
+    RETURN format('%I.%I', nsp, part)::regclass;
+END
+$$;
+
+-- Why an event partition past its retention must stay, or NULL when it may go. Rows of open
+-- transactions are invisible, so first: no open transaction started before the partition's
+-- upper bound (emit's created_at is the transaction's start, so it may still write there),
+-- and no transaction, prepared ones included, holds a lock on it (it has written there).
+-- Then no consumer may have an event of it pending (outbox._pending, sql/claim.sql).
+CREATE OR REPLACE FUNCTION outbox._partition_pending(part regclass, upper timestamptz) RETURNS text
+    LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    pending boolean;
+    pid     int;
+BEGIN
+    SELECT a.pid INTO pid FROM pg_stat_activity a
+     WHERE a.xact_start < _partition_pending.upper ORDER BY a.xact_start LIMIT 1;
+    IF FOUND THEN
+        RETURN format('transaction of backend %s, open since before the partition ends, may still write to it', pid);
+    END IF;
+    IF EXISTS (SELECT FROM pg_locks l WHERE l.relation = part AND l.pid IS DISTINCT FROM pg_backend_pid()) THEN
+        RETURN 'an open or prepared transaction has written to it';
+    END IF;
+    EXECUTE format(
+        'SELECT EXISTS (SELECT FROM outbox._shards s
+                          CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
+                                               WHERE l.consumer_id = s.consumer_id AND l.shard = s.shard
+                                               ORDER BY l.pos DESC LIMIT 1) AS cur
+                         WHERE EXISTS (SELECT FROM %s e WHERE e.shard = s.shard
+                                          AND e.seq > outbox._pending_floor(cur.l)
+                                          AND outbox._pending(cur.l, e.txid, e.seq)))', part)
+        INTO pending;
+    RETURN CASE WHEN pending THEN 'a consumer has not read all its events' END;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox.maintain()
+RETURNS TABLE (action text, relation text, detail text)
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cfg     outbox.partition_config;
+    p       outbox.partitions;
+    created regclass;
+    lo_at   timestamptz;
+    n       bigint;
+    why     text;
+    part    text;
+    old_timeout text;
+    rebased boolean;
+BEGIN
+    IF pg_is_in_recovery() THEN
+        RETURN;  -- a replica follows its primary's maintenance
+    END IF;
+    IF NOT pg_try_advisory_xact_lock(hashtext('outbox.maintain')) THEN
+        RETURN QUERY SELECT 'skipped', NULL::text, 'another outbox.maintain() is running';
+        RETURN;
+    END IF;
+    IF outbox._restore_running() THEN  -- its partitions would collide with the dump's
+        RETURN QUERY SELECT 'skipped', NULL::text, 'a restore into this database is running';
+        RETURN;
+    END IF;
+    -- 1. Partitions past retention first: drop or detach, never with undelivered events. A drop
+    --    needs the parent's ACCESS EXCLUSIVE lock; waited for after creating a partition (which
+    --    locks the default partition) it could deadlock with a reader that holds the parent and
+    --    goes on to the default partition. Each waits at most a second: a long reader must not
+    --    queue every emit behind the drop; the next run tries again.
+    -- a database restored from a dump (sql/restore.sql); the guard on emits goes in a later
+    -- run, once the rebase is committed (dropping it here would wait for emits that wait for us)
+    rebased := outbox._rebase_if_restored();
+    old_timeout := current_setting('lock_timeout');
+    PERFORM set_config('lock_timeout', '1s', true);
+    IF NOT rebased AND EXISTS (SELECT FROM pg_trigger t WHERE t.tgrelid = 'outbox.events'::regclass
+                                                        AND t.tgname = 'rebase_before_emit')
+       AND NOT (SELECT o.restore_pending FROM outbox._origin o) THEN
+        BEGIN  -- rebased: emits need not stop by any more, and write natively again
+            DROP TRIGGER rebase_before_emit ON outbox.events;
+            RETURN QUERY SELECT 'rebased', 'outbox.events', 'restored from a dump; rebased'::text;
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            NULL;  -- in use: the next run
+        END;
+    END IF;
+    FOR cfg IN SELECT * FROM outbox.partition_config LOOP
+        FOR p IN SELECT * FROM outbox.partitions x
+                  WHERE x.parent = cfg.parent AND NOT x.is_default AND x.upper <= now() - cfg.retention
+                  ORDER BY x.lower LOOP
+            part := p.partition::text;  -- named while it exists
+            BEGIN
+                IF cfg.parent = 'outbox.events'::regclass THEN
+                    why := outbox._partition_pending(p.partition, p.upper);
+                    IF why IS NOT NULL THEN
+                        RETURN QUERY SELECT 'kept', part, 'past retention, but ' || why;
+                        CONTINUE;
+                    END IF;
+                END IF;
+                -- Partitions made by CREATE EXTENSION belong to the extension, which would refuse
+                -- to let them go (and would drop a detached one with itself): release them first.
+                IF EXISTS (SELECT FROM pg_depend d
+                            WHERE d.classid = 'pg_class'::regclass AND d.objid = p.partition
+                              AND d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e') THEN
+                    EXECUTE format('ALTER EXTENSION outbox_ext DROP TABLE %s', part);
+                END IF;
+                IF cfg.detach THEN
+                    EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', cfg.parent, part);
+                    RETURN QUERY SELECT 'detached', part, NULL::text;
+                ELSE
+                    EXECUTE format('DROP TABLE %s', part);
+                    RETURN QUERY SELECT 'dropped', part, NULL::text;
+                END IF;
+            EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+                -- A deadlock: a transaction that holds the inbox and waits for the events table
+                -- (inbox.claim, then emit) while this run, having dropped an events partition,
+                -- waits for the inbox. This run gives way; the transaction goes on once it ends.
+                RETURN QUERY SELECT 'kept', part, 'past retention, but in use ('
+                    || CASE SQLSTATE WHEN '40P01' THEN 'deadlock' ELSE 'lock timeout' END || '): next run';
+            END;
+        END LOOP;
+    END LOOP;
+    PERFORM set_config('lock_timeout', old_timeout, true);
+    FOR cfg IN SELECT * FROM outbox.partition_config LOOP
+        -- 2. rows that landed in the default partition: report them, move them into partitions
+        --    (inbox ids that are not UUIDv7 carry no time: they stay, and age out by received_at)
+        FOR lo_at IN EXECUTE format(
+                'SELECT DISTINCT outbox._floor_time(%s, %L) FROM %s %s',
+                outbox._key_time(cfg.parent), cfg.width,
+                (SELECT d.partition FROM outbox.partitions d WHERE d.parent = cfg.parent AND d.is_default),
+                CASE WHEN cfg.parent = 'inbox.messages'::regclass
+                     THEN 'WHERE substr(message_id::text, 15, 1) = ''7''' ELSE '' END)
+        LOOP
+            created := outbox._create_partition(cfg.parent, lo_at, cfg.width);
+            IF created IS NOT NULL THEN
+                RAISE WARNING 'outbox.maintain: rows of % were in its default partition; moved them to %',
+                    cfg.parent, created;
+                RETURN QUERY SELECT 'moved', created::text, 'rows from the default partition';
+            END IF;
+        END LOOP;
+        -- 3. partitions ahead
+        lo_at := outbox._floor_time(now(), cfg.width);
+        FOR i IN 0 .. cfg.ahead LOOP
+            created := outbox._create_partition(cfg.parent, lo_at + cfg.width * i, cfg.width);
+            IF created IS NOT NULL THEN
+                RETURN QUERY SELECT 'created', created::text, NULL::text;
+            END IF;
+        END LOOP;
+    END LOOP;
+    DELETE FROM inbox.messages_default m
+     WHERE m.received_at < now() - (SELECT c.retention FROM outbox.partition_config c
+                                     WHERE c.parent = 'inbox.messages'::regclass);
+    -- 4. cursor history (a minute of it is kept, for a look at what happened) and marks
+    DELETE FROM outbox._cursor_log l
+     WHERE l.at < now() - interval '1 minute'
+       AND l.pos < (SELECT max(m.pos) FROM outbox._cursor_log m
+                     WHERE m.consumer_id = l.consumer_id AND m.shard = l.shard);
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n > 0 THEN
+        RETURN QUERY SELECT 'trimmed', 'outbox._cursor_log', n || ' old cursor rows';
+    END IF;
+    DELETE FROM outbox._marks m
+     WHERE m.at < now() - interval '1 hour' AND m.top < (SELECT max(k.top) FROM outbox._marks k);
+END
+$$;
+COMMENT ON FUNCTION outbox.maintain() IS
+    'Creates partitions ahead, drops (or detaches) those past retention once every consumer has '
+    'read them, moves rows out of default partitions, trims cursor history; returns what it did. '
+    'Safe to run concurrently (one runs, the other skips) and from pg_cron: '
+    'SELECT cron.schedule(''outbox-maintain'', ''* * * * *'', ''SELECT * FROM outbox.maintain()'');';
+
+-- The default partitions belong to the extension; dated partitions do not: CREATE EXTENSION
+-- makes none (the first outbox.maintain() does, which the worker runs soon after), so that a
+-- restore, which runs CREATE EXTENSION first, does not make partitions its dump brings too.
+CREATE TABLE IF NOT EXISTS outbox.events_default PARTITION OF outbox.events DEFAULT;
+CREATE TABLE IF NOT EXISTS inbox.messages_default PARTITION OF inbox.messages DEFAULT;
+SELECT outbox._index_partition('outbox.events', 'outbox.events_default');
+SELECT outbox._index_partition('inbox.messages', 'inbox.messages_default');
+
+-- Restoring a dump puts its partition_config rows over those CREATE EXTENSION made (a plain
+-- COPY would collide with them); see sql/dump.sql.
+CREATE OR REPLACE FUNCTION outbox._restore_partition_config() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    UPDATE outbox.partition_config c
+       SET width = NEW.width, ahead = NEW.ahead, retention = NEW.retention, detach = NEW.detach
+     WHERE c.parent = NEW.parent;
+    RETURN CASE WHEN FOUND THEN NULL ELSE NEW END;
+END
+$$;
+CREATE OR REPLACE TRIGGER restore_partition_config BEFORE INSERT ON outbox.partition_config
+    FOR EACH ROW EXECUTE FUNCTION outbox._restore_partition_config();
+-- outbox_ext: restoring a dump (pg_restore, psql) — how a restored state is recognised and
+-- rebased onto the transaction ids of the cluster it lands in.
+--
+-- A dump holds events with their txids and cursors whose windows are snapshots, all in the
+-- transaction ids of the dumped cluster; the cluster it is restored into counts its own
+-- (far below, far above or overlapping). What the restore makes true, and what the rebase
+-- builds on:
+--   - every restored event is committed (pg_dump reads only committed rows);
+--   - a restored event has a seq at most the restored event_seq, every event emitted after the
+--     restore a greater one (the sequence goes on from there).
+-- So a cursor is rebased into two steps (see _advance and _open_window in sql/claim.sql): it
+-- first finishes reading the dump's events in the dump's own ids — its windows as dumped, then
+-- one last window up to restored_top, a txid above every txid of the dump, under which every
+-- restored event is committed — pure comparisons between restored values; then it goes on
+-- with every event of a greater seq than restored_seq, in this cluster's ids. What a consumer
+-- had acknowledged is not delivered again; what it had not, is, in order; a batch that was out
+-- at dump time comes again.
+--
+-- Recognised: outbox._origin holds one row, made by CREATE EXTENSION. A dump carries it too,
+-- and restoring the dump inserts the dump's row over the one CREATE EXTENSION just made: that
+-- is a restore. It marks the state pending, and makes emits (a statement trigger on
+-- outbox.events) and every API call on cursors (outbox._consumer, claim, create_consumer)
+-- rebase first, once, before any event of this cluster gets a seq. outbox.maintain() then
+-- removes the trigger. pg_upgrade and physical copies (base backups, standbys) keep the
+-- transaction ids, copy no rows through SQL and need nothing of this.
+--
+-- Name resolution (sql/grants.sql): the trigger functions are [pinned]; _rebase and
+-- _rebase_if_restored run [inside] pinned functions.
+--
+-- Rerunnable (upgrade scripts include it).
+
+CREATE TABLE IF NOT EXISTS outbox._origin (
+    one             boolean     PRIMARY KEY DEFAULT true CHECK (one),  -- a single row
+    made_in         text        NOT NULL,  -- system identifier / database oid, for a look
+    made_at         timestamptz NOT NULL DEFAULT now(),
+    restore_pending boolean     NOT NULL DEFAULT false,  -- restored, not rebased yet
+    restored_at     timestamptz,           -- the last restore
+    restored_seq    bigint,                -- the last restore's events: seq at most this,
+    restored_top    xid8,                  -- txids below this (for consumers made later)
+    restorer        int,                   -- the backend restoring, and since when: nothing is
+    restorer_since  timestamptz            -- rebased while it runs (it has not loaded all yet)
+);
+COMMENT ON TABLE outbox._origin IS
+    'Where this outbox state was made, and its last restore from a dump (see sql/restore.sql).';
+
+CREATE OR REPLACE FUNCTION outbox._here() RETURNS text
+    LANGUAGE sql STABLE
+    RETURN (SELECT c.system_identifier FROM pg_catalog.pg_control_system() c)::text || '/'
+        || (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())::text;
+
+-- The dump's row arriving over ours: a restore.
+CREATE OR REPLACE FUNCTION outbox._restored() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM outbox._origin) THEN
+        RETURN NEW;  -- CREATE EXTENSION's own row
+    END IF;
+    UPDATE outbox._origin
+       SET restore_pending = true, restored_at = now(), restorer = pg_backend_pid(),
+           restorer_since = (SELECT a.backend_start FROM pg_stat_activity a WHERE a.pid = pg_backend_pid());
+    CREATE OR REPLACE TRIGGER rebase_before_emit BEFORE INSERT ON outbox.events
+        FOR EACH STATEMENT EXECUTE FUNCTION outbox._rebase_before_emit();
+    RETURN NULL;
+END
+$$;
+CREATE OR REPLACE TRIGGER restored BEFORE INSERT ON outbox._origin
+    FOR EACH ROW EXECUTE FUNCTION outbox._restored();
+-- (not ON CONFLICT: the trigger, which fires first, would take a second insert for a restore)
+INSERT INTO outbox._origin (made_in) SELECT outbox._here() WHERE NOT EXISTS (SELECT FROM outbox._origin);
+
+-- Before the first event of this cluster takes a seq. (Native emit takes the plain INSERT
+-- path while a table has a trigger, so this fires for every kind of emit.)
+CREATE OR REPLACE FUNCTION outbox._rebase_before_emit() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM outbox._rebase_if_restored();
+    RETURN NULL;
+END
+$$;
+
+-- Rebases a restored state if it is one, once the restore is over. True when the state is
+-- not ready for claims in this transaction: it was just rebased (the transaction has written),
+-- or the restore is still running.
+CREATE OR REPLACE FUNCTION outbox._rebase_if_restored() RETURNS boolean
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    IF NOT coalesce((SELECT o.restore_pending FROM outbox._origin o), false) THEN
+        RETURN false;
+    END IF;
+    IF outbox._restore_running() THEN
+        RETURN true;
+    END IF;
+    LOCK TABLE outbox._origin IN EXCLUSIVE MODE;  -- one rebase; the others wait, then see it done
+    IF NOT (SELECT o.restore_pending FROM outbox._origin o) THEN
+        RETURN false;
+    END IF;
+    PERFORM outbox._rebase();
+    RETURN true;
+END
+$$;
+
+-- Whether the backend that restored the dump's _origin row still runs (a restore not made in
+-- one transaction goes on loading after it), or a pg_restore is connected to this database.
+CREATE OR REPLACE FUNCTION outbox._restore_running() RETURNS boolean
+    LANGUAGE sql STABLE
+    RETURN EXISTS (SELECT FROM pg_catalog.pg_stat_activity a, outbox._origin o
+                    WHERE a.pid = o.restorer AND a.backend_start = o.restorer_since
+                      AND a.pid <> pg_catalog.pg_backend_pid())
+        OR EXISTS (SELECT FROM pg_catalog.pg_stat_activity a
+                    WHERE a.datname = pg_catalog.current_database() AND a.application_name = 'pg_restore'
+                      AND a.pid <> pg_catalog.pg_backend_pid());
+
+-- Every cursor: its batch out at dump time (lease, parked heads) comes again, and it reads the
+-- dump's events in the dump's ids, then the rest (see the header). Marks go: their xids are the
+-- dump's, and claims make new ones.
+CREATE OR REPLACE FUNCTION outbox._rebase() RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    n   bigint;
+    top xid8;
+    sh  outbox._shards;
+    cur outbox._cursor_log;
+BEGIN
+    SELECT greatest(max(e.seq), coalesce(pg_sequence_last_value('outbox.event_seq'), 0)), max(e.txid)
+      INTO n, top FROM outbox.events e;
+    SELECT greatest(top, max(greatest(l.lo_top, l.hi_top, pg_snapshot_xmax(l.lo_snap),
+                                      pg_snapshot_xmax(l.hi_snap))))
+      INTO top FROM outbox._cursor_log l;
+    top := (coalesce(top::text::bigint, 2) + 1)::text::xid8;
+    FOR sh IN SELECT * FROM outbox._shards s ORDER BY s.consumer_id, s.shard FOR UPDATE LOOP
+        cur := outbox._cursor(sh.consumer_id, sh.shard);
+        IF cur.restored_seq IS NOT NULL THEN
+            -- restored again before it read an earlier dump's events: all of them from its
+            -- floor on come again (the ids of two dumps cannot be told apart)
+            cur := outbox._lo_after_seq(cur, outbox._pending_floor(cur));
+        END IF;
+        cur.owner := NULL; cur.lease_until := NULL;
+        cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
+        cur.restored_seq := n; cur.restored_top := top;
+        PERFORM outbox._append(cur);
+    END LOOP;
+    DELETE FROM outbox._marks;
+    UPDATE outbox._origin
+       SET restore_pending = false, restored_seq = n, restored_top = top, made_in = outbox._here();
+    RAISE NOTICE 'outbox_ext: rebased the outbox restored from a dump (events up to seq %, txids below %)', n, top;
+END
+$$;
+-- outbox_ext: what is left to deliver, per consumer and per shard, and why.
+--
+-- What is pending is outbox._pending's answer (sql/claim.sql), for the events above
+-- outbox._pending_floor, which bounds the index scan.
+--
+-- Name resolution (sql/grants.sql): both views are [parsed] and run as their owner.
+
+CREATE OR REPLACE VIEW outbox.shard_status AS
+SELECT c.name AS consumer,
+       cur.shard,
+       pend.events AS pending,
+       pend.oldest AS oldest_pending_at,
+       now() - pend.oldest AS lag,
+       (SELECT count(*) FROM outbox._parked p WHERE p.consumer_id = c.id AND p.shard = cur.shard) AS parked_keys,
+       CASE WHEN cur.owner IS NOT NULL AND cur.lease_until > now() THEN cur.owner END AS leased_by,
+       cur.at AS last_activity
+  FROM outbox.consumers c
+  LEFT JOIN outbox.sinks k ON k.name = c.name
+ CROSS JOIN generate_series(0, outbox.shard_count() - 1) AS s(shard)
+ CROSS JOIN LATERAL (SELECT * FROM outbox._cursor_log l
+                      WHERE l.consumer_id = c.id AND l.shard = s.shard
+                      ORDER BY l.pos DESC LIMIT 1) AS cur
+ CROSS JOIN LATERAL (
+        SELECT count(*) AS events, min(e.created_at) AS oldest
+          FROM outbox.events e
+         WHERE e.shard = cur.shard AND e.seq > outbox._pending_floor(cur)
+           AND outbox._pending(cur, e.txid, e.seq)
+           AND (k.name IS NULL OR outbox._routes(k, e.topic, e.aggregate_type))) AS pend;  -- a sink's own
+COMMENT ON VIEW outbox.shard_status IS
+    'Per consumer and shard: pending events, the oldest one and its age, parked keys, who holds the lease.';
+
+CREATE OR REPLACE VIEW outbox.status AS
+SELECT s.consumer,
+       sum(s.pending)::bigint AS pending,
+       min(s.oldest_pending_at) AS oldest_pending_at,
+       now() - min(s.oldest_pending_at) AS lag,
+       sum(s.parked_keys)::bigint AS parked_keys,
+       (SELECT count(*) FROM outbox._parked_events q JOIN outbox.consumers c ON c.id = q.consumer_id
+         WHERE c.name = s.consumer) AS parked_events,
+       (SELECT count(*) FROM outbox.dead_letters d WHERE d.consumer = s.consumer) AS dead_letters,
+       coalesce((SELECT p.last_error FROM outbox._parked p JOIN outbox.consumers c ON c.id = p.consumer_id
+                  WHERE c.name = s.consumer ORDER BY p.parked_at DESC LIMIT 1),
+                (SELECT d.last_error FROM outbox.dead_letters d WHERE d.consumer = s.consumer
+                  ORDER BY d.id DESC LIMIT 1)) AS last_error,
+       count(s.leased_by) AS shards_leased,
+       max(s.last_activity) AS last_activity,
+       (SELECT count(*) FROM outbox.events_default) AS events_in_default_partition,
+       k.kind AS sink_kind,
+       k.enabled AS sink_enabled,
+       -- the worker's figures (outbox._sink_stats), written every two seconds while it runs
+       CASE WHEN st.updated_at > now() - interval '10 seconds' THEN st.per_second ELSE 0 END
+           AS delivered_per_second,
+       st.delivered AS delivered_total,
+       st.failed AS failed_total,
+       st.last_delivered_at,
+       st.last_error AS last_sink_error,
+       st.last_error_at AS last_sink_error_at
+  FROM outbox.shard_status s
+  LEFT JOIN outbox.sinks k ON k.name = s.consumer
+  LEFT JOIN outbox._sink_stats st ON st.sink = s.consumer
+ GROUP BY s.consumer, k.name, st.sink;
+COMMENT ON VIEW outbox.status IS
+    'One row per consumer (a sink is one): pending events and lag, parked keys and events, dead '
+    'letters, the last error, leased shards, events waiting in the default partition '
+    '(outbox.maintain() moves them), and for a sink the worker''s delivery rate and last error. '
+    'Example: SELECT consumer, pending, lag, dead_letters, last_error FROM outbox.status;';
+-- outbox_ext: DROP EXTENSION outbox_ext does not discard undelivered events silently. An event
+-- trigger (native, src/backup.rs) refuses the DROP while a consumer has events pending, parked
+-- keys or dead letters, unless outbox_ext.drop_undelivered is on.
+--
+-- Name resolution (sql/grants.sql): _undelivered is [pinned]; the trigger function is [native]
+-- and runs one statement, SELECT outbox._undelivered().
+--
+-- Rerunnable (upgrade scripts include it).
+
+-- What would be lost, per consumer, or NULL when nothing would.
+CREATE OR REPLACE FUNCTION outbox._undelivered() RETURNS text
+    LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+BEGIN ATOMIC
+    SELECT string_agg(format('%s: %s pending, %s parked keys, %s dead letters',
+                             s.consumer, s.pending, s.parked_keys, s.dead_letters), '; '
+                      ORDER BY s.consumer)
+      FROM outbox.status s
+     WHERE s.pending > 0 OR s.parked_keys > 0 OR s.dead_letters > 0;
+END;
+
+CREATE OR REPLACE FUNCTION outbox._guard_drop() RETURNS event_trigger
+    LANGUAGE c AS 'MODULE_PATHNAME', 'outbox_guard_drop';
+
+DO $guard$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_event_trigger WHERE evtname = 'outbox_ext_guard_drop') THEN
+        CREATE EVENT TRIGGER outbox_ext_guard_drop ON ddl_command_start
+            WHEN TAG IN ('DROP EXTENSION') EXECUTE FUNCTION outbox._guard_drop();
+    END IF;
+END
+$guard$;
 
 -- Every partition gets its own index or key; dated ones leave the extension.
 DO $partitions$
@@ -72,8 +1907,146 @@ BEGIN
 END
 $partitions$;
 
--- @include dump.sql
--- @include grants.sql
+-- outbox_ext: what pg_dump writes. Of an extension's own tables pg_dump writes only those
+-- marked here (their rows; CREATE EXTENSION makes the tables). Each line says why it is, or
+-- is not, marked; sql/restore.sql says how a restored state is rebased.
+--
+-- Partitions: the default partitions belong to the extension and are marked; the dated ones
+-- are made by outbox.maintain() (CREATE EXTENSION makes none), belong to no extension, and so
+-- are dumped whole, like any table: definition, rows, index. Partitions of both kinds come
+-- back attached to their parent.
+--
+-- Runs only in CREATE EXTENSION and ALTER EXTENSION UPDATE (pg_extension_config_dump refuses
+-- anywhere else); marking a table again changes nothing.
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.events_default', '');        -- events no partition covered
+SELECT pg_catalog.pg_extension_config_dump('inbox.messages_default', '');       -- inbox ids that are not UUIDv7
+SELECT pg_catalog.pg_extension_config_dump('outbox.event_seq', '');             -- seqs go on after the dump's: order across a restore
+SELECT pg_catalog.pg_extension_config_dump('outbox.consumers', '');             -- consumers and their retry policies
+SELECT pg_catalog.pg_extension_config_dump('outbox.consumers_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._shards', '');               -- what claims lock, per consumer
+SELECT pg_catalog.pg_extension_config_dump('outbox._cursor_log', '');           -- cursors and leases (rebased on restore)
+SELECT pg_catalog.pg_extension_config_dump('outbox._cursor_log_pos_seq', '');   -- the newest row is the cursor: positions go on
+SELECT pg_catalog.pg_extension_config_dump('outbox._parked', '');               -- parked keys, with their attempts and backoff
+SELECT pg_catalog.pg_extension_config_dump('outbox._parked_events', '');        -- their queues, in order
+SELECT pg_catalog.pg_extension_config_dump('outbox._parked_events_pos_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.dead_letters', '');          -- dead letters, to replay
+SELECT pg_catalog.pg_extension_config_dump('outbox.dead_letters_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.sinks', '');                 -- sinks, secrets included: guard your dumps
+SELECT pg_catalog.pg_extension_config_dump('outbox._sink_stats', '');           -- delivered and failed totals go on
+SELECT pg_catalog.pg_extension_config_dump('outbox.partition_config', '');      -- widths and retentions (over the defaults)
+SELECT pg_catalog.pg_extension_config_dump('outbox._origin', '');               -- restoring it marks a restore
+-- Not marked: outbox._marks (floors for transactions in progress, in the dumped cluster's
+-- transaction ids: meaningless after a restore, and claims make new ones).
+-- outbox_ext: privileges, all in one place. Runs last (finalize); rerunnable (upgrade
+-- scripts include it): it first takes back every privilege our roles and PUBLIC hold on our
+-- objects, then grants exactly what each role needs.
+--
+-- Rules:
+-- - Nothing is granted to PUBLIC.
+-- - No role gets ALL on a table: never TRIGGER, TRUNCATE or REFERENCES, because a trigger or
+--   rule on our tables would run inside the worker and the SECURITY DEFINER functions, as their
+--   owner. (Rules and policies need ownership, which only the extension's owner has.)
+-- - Partitions get no grant at all: rows are reached through their parent, whose privileges
+--   apply; outbox.maintain() strips any grant a new partition would get by default.
+-- - Writes to state go through the SECURITY DEFINER API (which pins search_path and names
+--   every object by schema); a role writes a table directly only where that is its job
+--   (admins: sink and retry settings, partition settings, dead letters; the worker: sink
+--   figures), and then only the columns it may change.
+--
+-- What runs with more privilege than its caller resolves names only in pg_catalog and our
+-- schemas; each SQL file's header says which of these rules covers what it defines:
+-- [pinned]   SECURITY DEFINER functions SET search_path = pg_catalog, pg_temp (functions and
+--            operators are never looked up in pg_temp) and name our objects by schema.
+--            tests/test_roles.py checks that every one of them pins it.
+-- [inside]   Internal helpers (outbox._*, granted to no role) run only inside [pinned]
+--            functions, whose search_path they inherit. (Three pure [parsed] ones, _pending,
+--            _pending_floor and _routes, are granted to outbox_relay: the status views call them.)
+-- [parsed]   Views and SQL-standard bodies (LANGUAGE sql ... RETURN) are parsed once, by
+--            CREATE EXTENSION or ALTER EXTENSION UPDATE, whose search_path is pg_catalog,
+--            pg_temp (the control file's schema is pg_catalog).
+-- [caller]   Not SECURITY DEFINER (create_sink, drop_sink): runs with the caller's rights;
+--            its search_path is pinned all the same.
+-- [native]   C functions (src/emit, src/sinks/check.rs) look objects up in the catalog by
+--            schema; emit's one SPI statement names outbox.emit_many with exactly typed
+--            arguments.
+-- [worker]   The worker's session has search_path pg_catalog, pg_temp, and its statements
+--            name everything by schema, operators as OPERATOR(pg_catalog.x)
+--            (src/worker/session.rs, deliver.rs, mod.rs).
+-- Dynamic SQL quotes identifiers with %I or a regclass's text and values with %L.
+--
+-- Producers reach the event log only through the SECURITY DEFINER emit_many and the native
+-- emit (which writes as its owner); they cannot read events or configuration. outbox.sinks
+-- holds secrets: only outbox_admin and outbox_worker (which delivers with them) read it;
+-- relays see a sink's health through outbox.status, which shows no URL or secret.
+
+REVOKE ALL ON SCHEMA outbox, inbox FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
+REVOKE ALL ON ALL TABLES IN SCHEMA outbox, inbox
+    FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox, inbox
+    FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox, inbox
+    FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
+
+GRANT outbox_producer, outbox_relay TO outbox_admin;
+GRANT outbox_relay TO outbox_worker;
+GRANT USAGE ON SCHEMA outbox, inbox TO outbox_producer, outbox_relay, outbox_admin, outbox_worker;
+
+-- outbox_producer: emit, nothing else
+GRANT EXECUTE ON FUNCTION
+    outbox.emit(text, text, text, jsonb, jsonb, text),
+    outbox.emit_many(text, text, text[], jsonb[], jsonb, text),
+    outbox.uuid_v7(),
+    outbox.shard_count(),
+    outbox.shard_of(text)
+TO outbox_producer;
+
+-- outbox_relay: read the log, claim and settle
+GRANT SELECT ON outbox.events, outbox.status, outbox.shard_status TO outbox_relay;
+-- what the status views ask of each event (pure functions, inlined into the views' plans;
+-- functions a view calls are checked against whoever reads it)
+GRANT EXECUTE ON FUNCTION outbox._pending(outbox._cursor_log, xid8, bigint),
+                          outbox._pending_floor(outbox._cursor_log),
+                          outbox._routes(outbox.sinks, text, text) TO outbox_relay;
+GRANT EXECUTE ON FUNCTION
+    outbox.claim(text, int, interval, text),
+    outbox.ack(text, int, bigint),
+    outbox.nack(text, int, bigint, uuid, text, interval),
+    outbox.reject(text, int, bigint, uuid, text),
+    outbox.release(text, int, bigint, interval),
+    outbox.release_owner(text, text),
+    outbox.shard_count(),
+    outbox.shard_of(text)
+TO outbox_relay;
+
+GRANT EXECUTE ON FUNCTION inbox.claim(uuid, text), inbox.uuid_time(uuid), inbox.uuid_at(timestamptz)
+    TO outbox_producer, outbox_relay;
+
+-- outbox_admin: consumers, sinks, dead letters, maintenance; reads everything
+GRANT EXECUTE ON FUNCTION
+    outbox.create_consumer(text, boolean, int, interval, interval),
+    outbox.drop_consumer(text),
+    outbox.replay(text, text),
+    outbox.create_sink(text, text, text, text[], text[], text, int, int, interval, interval, text,
+                       jsonb, text, jsonb, text, int, interval, interval, boolean),
+    outbox.drop_sink(text),
+    outbox.maintain()
+TO outbox_admin;
+GRANT SELECT ON outbox.events, outbox.consumers, outbox.sinks, outbox._sink_stats,
+    outbox.dead_letters, outbox.partition_config, outbox.partitions, outbox.status,
+    outbox.shard_status, outbox._shards, outbox._cursor_log, outbox._parked,
+    outbox._parked_events, outbox._marks, outbox._origin, inbox.messages
+TO outbox_admin;
+GRANT INSERT, UPDATE, DELETE ON outbox.sinks TO outbox_admin;   -- checked by its trigger
+GRANT UPDATE (max_attempts, backoff_base, backoff_max) ON outbox.consumers TO outbox_admin;
+GRANT UPDATE (width, ahead, retention, detach) ON outbox.partition_config TO outbox_admin;
+GRANT DELETE ON outbox.dead_letters, inbox.messages TO outbox_admin;
+
+-- outbox_worker: relays (outbox_relay), delivers with the sinks' settings, records their
+-- figures, runs maintenance. It connects as this role (outbox_ext.worker_role).
+GRANT SELECT ON outbox.sinks TO outbox_worker;
+GRANT SELECT, INSERT, UPDATE ON outbox._sink_stats TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox.maintain() TO outbox_worker;
 
 -- Sink rows the new checks refuse: the worker could not deliver with them, and a dump of them
 -- could not be restored (the checks run on every row written). Each such sink is disabled

@@ -14,7 +14,7 @@ use crate::sinks::{Config, Event, Kind, Outcome, Verdict};
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 use serde_json::Value;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
@@ -199,8 +199,7 @@ pub struct Settled {
 }
 
 /// Applies a finished batch's outcome in one transaction. A sink that was down gets the batch
-/// back (release) after `pause`; otherwise each key's first failed event is nacked (retried
-/// later, in order) or rejected (dead-lettered), and the rest of the batch is acked.
+/// back (release) after `pause`; otherwise it is settled (outbox.settle).
 pub fn settle(batch: &Batch, outcome: &Outcome, pause: Duration) -> Result<Settled, String> {
     in_transaction(|| {
         Spi::connect_mut(|client| match outcome {
@@ -227,61 +226,54 @@ pub fn settle(batch: &Batch, outcome: &Outcome, pause: Duration) -> Result<Settl
     .map_err(|e: pgrx::spi::Error| e.to_string())
 }
 
+/// Settles the batch with one outbox.settle call: the verdicts that are not deliveries are its
+/// failures (settle keeps a failed key's later events back, whatever their verdicts).
 fn settle_events(
     client: &mut SpiClient,
     batch: &Batch,
     verdicts: &[Verdict],
 ) -> Result<Settled, pgrx::spi::Error> {
-    let mut settled = Settled::default();
-    let mut failed_keys: HashSet<&str> = HashSet::new();
+    let mut failures = Vec::new();
+    let mut error = None;
+    let mut delivered = 0;
     for (event, verdict) in batch.events.iter().zip(verdicts) {
-        if failed_keys.contains(event.aggregate_id.as_str()) {
-            continue; // queued behind the key's failed event by the nack
-        }
-        let (function, error, retry_after) = match verdict {
+        let (message, retry_after, last) = match verdict {
             Verdict::Delivered => {
-                settled.delivered += 1;
+                delivered += 1;
                 continue;
             }
-            Verdict::Skipped => continue, // not this sink's: acked, not counted
-            Verdict::Retry { error, retry_after } => ("nack", error, *retry_after),
-            Verdict::Reject { error } => ("reject", error, None),
+            Verdict::Skipped => continue, // not this sink's: settled as delivered, not counted
+            Verdict::Retry { error, retry_after } => (error, *retry_after, false),
+            Verdict::Reject { error } => (error, None, true),
         };
-        failed_keys.insert(&event.aggregate_id);
-        settled.failed += 1;
-        settled.error = Some(error.clone());
-        // make_interval is strict: no retry_after, a NULL interval
-        let secs: Option<f64> = retry_after.map(|d| d.as_secs_f64());
-        let query = format!(
-            "SELECT outbox.{function}($1, $2, $3, $4::uuid, $5{})",
-            if function == "nack" {
-                ", pg_catalog.make_interval(secs => $6)"
-            } else {
-                ""
-            }
-        );
-        let mut args: Vec<pgrx::datum::DatumWithOid> = vec![
-            batch.sink.as_str().into(),
-            batch.shard.into(),
-            batch.epoch.into(),
-            event.id.as_str().into(),
-            error.as_str().into(),
-        ];
-        if function == "nack" {
-            args.push(secs.into());
-        }
-        client.update(&query, None, &args)?;
+        failures.push(serde_json::json!({
+            "id": event.id,
+            "error": message,
+            "retry_after": retry_after.map(|d| d.as_secs_f64()),
+            "final": last,
+        }));
+        error.get_or_insert_with(|| message.clone());
     }
-    client.update(
-        "SELECT outbox.ack($1, $2, $3)",
-        None,
-        &[
-            batch.sink.as_str().into(),
-            batch.shard.into(),
-            batch.epoch.into(),
-        ],
-    )?;
-    Ok(settled)
+    let kept = client
+        .update(
+            "SELECT outbox.settle($1, $2, $3, $4::jsonb)",
+            None,
+            &[
+                batch.sink.as_str().into(),
+                batch.shard.into(),
+                batch.epoch.into(),
+                Value::Array(failures).to_string().into(),
+            ],
+        )?
+        .first()
+        .get_one::<i32>()?
+        .unwrap_or(0) as usize;
+    Ok(Settled {
+        // never kept back: a sink sends no event of a key after one of it failed
+        delivered,
+        failed: kept,
+        error,
+    })
 }
 
 /// A sink's figures since the last flush.

@@ -1,0 +1,234 @@
+"""outbox.settle: one call settles a claimed batch. The hold-back rule lives in it: a failed
+key's later events in the batch wait behind it, in order, whatever the relay said of them;
+if recording one failure fails, the rest of the batch still settles and the reason shows in
+outbox.status."""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+import pytest
+
+from relay import Relay
+
+
+def keys_in_shard(db, shard: int, n: int) -> list[str]:
+    return [r[0] for r in db.execute(
+        "SELECT k FROM (SELECT 'key-' || i AS k FROM generate_series(1, 10000) i) s "
+        "WHERE outbox.shard_of(k) = %s LIMIT %s", (shard, n)).fetchall()]
+
+
+@pytest.fixture
+def relay(db):
+    db.execute("SELECT outbox.create_consumer('sink', max_attempts => 3, backoff_base => '1 ms', "
+               "backoff_max => '1 ms')")
+    return Relay(db, "sink")
+
+
+def emit_batch(db, relay, counts: dict[str, int]):
+    """Emit counts[key] events per key (in one shard, interleaved) and claim them all; returns
+    the batch and its events by key."""
+    for i in range(max(counts.values())):
+        for key, n in counts.items():
+            if i < n:
+                db.execute("SELECT outbox.emit('order', %s, 'e', jsonb_build_object('i', %s::int))", (key, i))
+    batch = relay.claim()
+    assert len(batch) == sum(counts.values())
+    return batch, {k: [e for e in batch if e.aggregate_id == k] for k in counts}
+
+
+def parked(db) -> dict[str, list[int]]:
+    rows = db.execute("SELECT aggregate_id, array_agg((payload->>'i')::int ORDER BY pos) "
+                      "FROM outbox._parked_events GROUP BY 1").fetchall()
+    return dict(rows)
+
+
+def dead(db) -> list[tuple]:
+    return db.execute("SELECT aggregate_id, (payload->>'i')::int, last_error FROM outbox.dead_letters ORDER BY id").fetchall()
+
+
+def drain_after_backoff(db, relay) -> list:
+    delivered = []
+    for _ in range(10):
+        db.execute("SELECT pg_sleep(0.01)")
+        delivered += relay.drain()
+    return delivered
+
+
+def test_a_failed_keys_later_events_wait_behind_it_whatever_was_listed(db, relay):
+    a, b, c = keys_in_shard(db, 2, 3)
+    batch, by_key = emit_batch(db, relay, {a: 3, b: 2, c: 2})
+    # a: its second event failed (the third "delivered" after it: it must wait all the same);
+    # b: its first failed for good; c: all delivered
+    kept = relay.settle(batch[0].shard, batch[0].epoch, [
+        relay.failure(by_key[a][1], "HTTP 503", retry_after="300 ms"),
+        relay.failure(by_key[b][0], "HTTP 422", final=True),
+    ])
+    assert kept == 2 + 2
+    assert parked(db) == {a: [1, 2], b: [1]}
+    assert dead(db) == [(b, 0, "HTTP 422")]
+    # the shard moved on: b's next event is due at once (its head went dead), a's after 300 ms
+    again = relay.claim()
+    assert [(e.aggregate_id, e.payload["i"]) for e in again] == [(b, 1)]
+    relay.settle(again[0].shard, again[0].epoch)
+    time.sleep(0.3)
+    retried = drain_after_backoff(db, relay)
+    assert [(e.aggregate_id, e.payload["i"]) for e in retried] == [(a, 1), (a, 2)]
+    assert not [e for e in retried if e.aggregate_id == c], "c was delivered the first time"
+    assert parked(db) == {}
+
+
+def test_a_later_failure_listed_first_still_holds_back_from_the_earliest(db, relay):
+    a, = keys_in_shard(db, 4, 1)
+    batch, by_key = emit_batch(db, relay, {a: 3})
+    kept = relay.settle(batch[0].shard, batch[0].epoch, [
+        relay.failure(by_key[a][2], "third"), relay.failure(by_key[a][0], "first")])
+    assert kept == 3
+    assert parked(db) == {a: [0, 1, 2]}
+    assert db.execute("SELECT last_error, attempts FROM outbox._parked").fetchone() == ("first", 1)
+
+
+def test_parked_heads_are_settled_too_retried_dead_lettered_and_replayed(db, relay):
+    a, b = keys_in_shard(db, 6, 2)
+    batch, by_key = emit_batch(db, relay, {a: 2, b: 2})
+    relay.settle(batch[0].shard, batch[0].epoch,
+                 [relay.failure(by_key[a][0], "down"), relay.failure(by_key[b][0], "down")])
+    attempts = []
+    for _ in range(2):   # max_attempts 3: two more failures of a's head; b's head goes through
+        time.sleep(0.01)
+        heads = relay.claim()
+        assert {e.aggregate_id for e in heads} == {a, b} or {e.aggregate_id for e in heads} == {a}
+        head_a = next(e for e in heads if e.aggregate_id == a)
+        attempts.append(head_a.attempt)
+        relay.settle(heads[0].shard, heads[0].epoch, [relay.failure(head_a, "still down")])
+    assert attempts == [2, 3]
+    assert dead(db) == [(a, 0, "still down")]
+    assert relay.drain() and parked(db) == {}
+    assert db.execute("SELECT outbox.replay('sink')").fetchone()[0] == 1
+    assert [(e.aggregate_id, e.payload["i"]) for e in drain_after_backoff(db, relay)] == [(a, 0)]
+
+
+def test_a_stale_or_settled_batch_is_refused(db, connect, relay):
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    slow = Relay(connect(), "sink", lease="100 milliseconds", owner="slow")
+    batch = slow.claim()
+    time.sleep(0.2)
+    fast = Relay(connect(), "sink", owner="fast")
+    again = fast.claim()
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState) as e:
+        slow.settle(batch[0].shard, batch[0].epoch, [slow.failure(batch[0], "late")])
+    assert e.value.diag.message_hint
+    assert fast.settle(again[0].shard, again[0].epoch) == 0
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):
+        fast.settle(again[0].shard, again[0].epoch)   # twice
+    assert db.execute("SELECT count(*) FROM outbox._parked").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("failures", [
+    '{"id": "x"}',                                             # not an array
+    '[{"error": "no id"}]',
+    '[{"id": "not-a-uuid"}]',
+    '[{"id": "00000000-0000-0000-0000-000000000000", "colour": "red"}]',
+    '[{"id": "00000000-0000-0000-0000-000000000000", "retry_after": "soon"}]',
+    '[{"id": "00000000-0000-0000-0000-000000000000", "retry_after": -1}]',
+    '[{"id": "00000000-0000-0000-0000-000000000000", "final": "perhaps"}]',
+    '[{"id": "00000000-0000-0000-0000-000000000000"}]',        # not in the batch
+])
+def test_bad_failures_are_refused_with_22023_and_settle_nothing(db, relay, failures):
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    batch = relay.claim()
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as e:
+        db.execute("SELECT outbox.settle('sink', %s, %s, %s::jsonb)", (batch[0].shard, batch[0].epoch, failures))
+    assert e.value.diag.message_hint
+    assert relay.settle(batch[0].shard, batch[0].epoch) == 0, "the batch is still held"
+
+
+def test_if_recording_a_failure_fails_the_rest_settles_and_status_says_why(cluster, db, relay):
+    a, b, c = keys_in_shard(db, 1, 3)
+    batch, by_key = emit_batch(db, relay, {a: 2, b: 2, c: 1})
+    # a fault no real relay can cause: recording this error fails (a superuser's trigger)
+    with cluster.connect(db.info.dbname) as su:
+        su.execute("""
+            CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.last_error LIKE 'poison%' THEN RAISE EXCEPTION 'cannot store this error'; END IF;
+                RETURN NEW;
+            END $$""")
+        su.execute("CREATE TRIGGER refuse BEFORE UPDATE ON outbox._parked FOR EACH ROW EXECUTE FUNCTION public.refuse()")
+    kept = relay.settle(batch[0].shard, batch[0].epoch, [
+        relay.failure(by_key[a][0], "poison: a 2 GB error page"), relay.failure(by_key[b][0], "HTTP 500")])
+    assert kept == 4
+    assert parked(db) == {a: [0, 1], b: [0, 1]}, "both keys kept back, in order"
+    errors = dict(db.execute("SELECT aggregate_id, last_error FROM outbox._parked").fetchall())
+    assert errors[b] == "HTTP 500"
+    assert "cannot store this error" in errors[a] and "poison" in errors[a]
+    status = db.execute("SELECT parked_keys, parked_events, last_error FROM outbox.status").fetchone()
+    assert status[:2] == (2, 4) and status[2] in errors.values()
+    assert db.execute("SELECT pending FROM outbox.status").fetchone()[0] == 0, "the shard moved on"
+    assert {e.aggregate_id for e in relay.claim()} <= {a, b}, "c was delivered; only the parked heads come back"
+
+
+def test_parallel_relays_settling_with_kills_keep_per_key_order(cluster, dbname, db, relay):
+    """Three relays on their own connections settle batches with random failures (some final)
+    and are killed with pg_terminate_backend between claim and settle; a key's first
+    deliveries follow its commit order and nothing is lost."""
+    import random
+    import threading
+    keys = [f"agg-{i}" for i in range(10)]
+    for i in range(400):
+        db.execute("SELECT outbox.emit('order', %s, 'e', jsonb_build_object('i', %s::int))", (keys[i % 10], i))
+    delivered, dead_ids, lock = [], set(), threading.Lock()
+
+    def run(n: int) -> None:
+        rnd = random.Random(n)
+        conn = cluster.connect(dbname)
+        r = Relay(conn, "sink", batch_size=rnd.choice([5, 20]), lease="300 milliseconds", owner=f"r{n}")
+        idle = 0
+        while idle < 40:
+            try:
+                batch = r.claim()
+                if not batch:
+                    idle += 1
+                    time.sleep(0.01)
+                    continue
+                idle = 0
+                if rnd.random() < 0.1:
+                    with cluster.connect(dbname) as killer:
+                        killer.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+                    raise psycopg.OperationalError("killed before settling")
+                failures, failed, sent = [], set(), []
+                for e in batch:
+                    if e.aggregate_id in failed:
+                        continue
+                    if rnd.random() < 0.05:
+                        failed.add(e.aggregate_id)
+                        failures.append(r.failure(e, "random", retry_after="5 ms", final=rnd.random() < 0.3))
+                    else:
+                        sent.append(e)
+                with lock:   # delivered before settling, as a sink would see them
+                    delivered.extend((e.aggregate_id, e.payload["i"], e.id) for e in sent)
+                r.settle(batch[0].shard, batch[0].epoch, failures)
+            except psycopg.Error:
+                conn.close()
+                conn = r.conn = cluster.connect(dbname)
+        conn.close()
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.4)
+    delivered += [(e.aggregate_id, e.payload["i"], e.id) for e in drain_after_backoff(db, relay)]
+    dead_ids = {r[0] for r in db.execute("SELECT event_id FROM outbox.dead_letters").fetchall()}
+    got = {d[2] for d in delivered}
+    assert len(got | dead_ids) == 400, "each event delivered or dead, never lost"
+    first = {}
+    for key, i, eid in delivered:
+        first.setdefault(eid, (key, i))
+    for key in keys:
+        seen = [i for k, i in first.values() if k == key]
+        # settled deliveries of a key are in order except for events that died in between
+        assert seen == sorted(seen), key
+    assert db.execute("SELECT count(*) FROM outbox._parked").fetchone()[0] == 0
