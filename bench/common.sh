@@ -33,14 +33,32 @@ pgbench_run() {
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b > 0) printf "%.2fx", a/b; else print "-" }'; }
 now_s() { date +%s.%N; }
 
-# write_outbox_relay FILE BATCH: a pgbench script for one relay step of outbox_ext: claim (one
-# transaction), touch every payload, ack (the next); nothing when no shard has work.
+# write_outbox_relay FILE BATCH [FAILED]: a pgbench script for one relay step of outbox_ext:
+# claim (one transaction), touch every payload, settle (the next), reporting a FAILED share of
+# the events (0 to 1, default 0) as failed and due again at once; nothing when no shard has work.
 write_outbox_relay() {
     printf '%s\n' \
         "SELECT coalesce(min(shard), -1) AS shard, coalesce(min(epoch), -1) AS epoch, count(*) AS n," \
-        "       sum(length(payload::text)) AS bytes" \
+        "       sum(length(payload::text)) AS bytes," \
+        "       coalesce(jsonb_agg(jsonb_build_object('id', id, 'error', 'bench', 'retry_after', 0))" \
+        "                FILTER (WHERE random() < ${3:-0}), '[]') AS failures" \
         "  FROM outbox.claim('bench', $2) \\gset" \
         "\\if :n" \
-        "SELECT outbox.ack('bench', :shard, :epoch);" \
+        "SELECT outbox.settle('bench', :shard, :epoch, :failures::jsonb);" \
+        "\\endif" > "$1"
+}
+
+# write_outbox_loop FILE BATCH: one relay step in one call: settle the batch the last step
+# claimed and claim the next (settle_and_claim), touching every payload; the first step of a
+# client, and one after an empty claim, only claims. Run with -D shard=-1 -D epoch=-1.
+write_outbox_loop() {
+    printf '%s\n' \
+        "\\if :shard < 0" \
+        "SELECT coalesce(min(shard), -1) AS shard, coalesce(min(epoch), -1) AS epoch, count(*) AS n," \
+        "       sum(length(payload::text)) AS bytes FROM outbox.claim('bench', $2) \\gset" \
+        "\\else" \
+        "SELECT coalesce(min(shard), -1) AS shard, coalesce(min(epoch), -1) AS epoch, count(*) AS n," \
+        "       sum(length(payload::text)) AS bytes" \
+        "  FROM outbox.settle_and_claim('bench', :shard, :epoch, '[]', $2) \\gset" \
         "\\endif" > "$1"
 }

@@ -33,6 +33,14 @@
 -- below call them, and those pin it. A SET clause on every helper would cost each call a GUC
 -- save and restore and a new search path lookup, about 5% of a claim.
 --
+-- Plans that do not depend on the moment they were made: the API functions also set
+-- enable_seqscan and enable_bitmapscan off, jit off and plan_cache_mode to
+-- force_generic_plan, so every statement on the claim path is planned once per session, as
+-- an index walk. Planned from statistics instead, a lookup of the newest cursor row or mark
+-- made while its table was small stayed a sequential scan (or a bitmap scan and a sort) for
+-- the whole session, each claim slower as the table grew; and a custom plan of a window,
+-- costed with its actual bounds, would rather sort a whole backlog.
+--
 -- Rerunnable (upgrade scripts include it): tables and indexes only where missing, functions
 -- replaced. A changed table needs its own ALTER in the upgrade script.
 
@@ -418,42 +426,43 @@ CREATE OR REPLACE FUNCTION outbox._pending(cur outbox._cursor_log, txid xid8, se
         OR (NOT pg_catalog.pg_visible_in_snapshot(txid, cur.lo_snap)
             AND NOT (cur.hi_snap IS NOT NULL AND seq <= coalesce(cur.after_seq, -1)
                      AND pg_catalog.pg_visible_in_snapshot(txid, cur.hi_snap)));
+-- Inside a window (after_seq set) every event up to after_seq that hi sees finished is
+-- delivered, so a pending one up to there is in progress at hi: above its hi floor.
 CREATE OR REPLACE FUNCTION outbox._pending_floor(cur outbox._cursor_log) RETURNS bigint
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
-    RETURN least(cur.lo_seq, (SELECT min(f) FROM pg_catalog.unnest(cur.lo_floors) AS f));
+    RETURN least(cur.restored_seq,
+                 CASE WHEN cur.after_seq IS NULL
+                      THEN least(cur.lo_seq, (SELECT min(f) FROM pg_catalog.unnest(cur.lo_floors) AS f))
+                      ELSE least(cur.after_seq, (SELECT min(f) FROM pg_catalog.unnest(cur.hi_floors) AS f)) END);
 
 -- Events of a shard in the cursor's window, after its position and up to seq upto, in seq
 -- order, at most lim (NULL: all). Both parts walk the (shard, seq, txid) index in order and
--- stop at the limit. A custom plan, costed with the actual bounds, would rather sort a whole
--- backlog; the generic plan (kept for the session) walks the index.
+-- stop at the limit. A SQL function that the planner inlines into the statement calling it:
+-- rows are read once, not copied through a function's result first. The callers' plans are
+-- generic (see the API's SET clause): a custom plan, costed with the actual bounds, would
+-- rather sort a whole backlog. A restored cursor reads only the dump's events, whose txids
+-- are the dump's (sql/restore.sql).
 CREATE OR REPLACE FUNCTION outbox._window(shard int, cur outbox._cursor_log, upto bigint, lim int)
 RETURNS SETOF outbox.events
-    LANGUAGE plpgsql STABLE
-    SET plan_cache_mode = force_generic_plan
+    LANGUAGE sql STABLE
 AS $$
-DECLARE
-    late     xid8[] := (outbox._late(cur)).txids;
-    -- restored: only the dump's events, whose txids are the dump's (sql/restore.sql)
-    last_seq bigint := least(coalesce(upto, 9223372036854775807), cur.restored_seq);
-BEGIN
-    RETURN QUERY
     SELECT w.* FROM (
         (SELECT e.* FROM outbox.events e
           WHERE e.shard = _window.shard
-            AND e.seq > greatest(cur.after_seq, cur.lo_seq) AND e.seq <= last_seq
-            AND e.txid >= cur.lo_top AND e.txid < pg_snapshot_xmax(cur.hi_snap)
-            AND pg_visible_in_snapshot(e.txid, cur.hi_snap)
+            AND e.seq > greatest(cur.after_seq, cur.lo_seq)
+            AND e.seq <= least(coalesce(upto, 9223372036854775807), cur.restored_seq)
+            AND e.txid >= cur.lo_top AND e.txid < pg_catalog.pg_snapshot_xmax(cur.hi_snap)
+            AND pg_catalog.pg_visible_in_snapshot(e.txid, cur.hi_snap)
           ORDER BY e.seq LIMIT lim)
         UNION ALL
         (SELECT e.* FROM outbox.events e
           WHERE cur.late_from IS NOT NULL
             AND e.shard = _window.shard
             AND e.seq >= cur.late_from AND e.seq > coalesce(cur.after_seq, -1)
-            AND e.seq <= least(cur.late_to, last_seq)
-            AND e.txid = ANY (late)
+            AND e.seq <= least(cur.late_to, coalesce(upto, 9223372036854775807), cur.restored_seq)
+            AND e.txid = ANY ((SELECT (outbox._late(cur)).txids)::xid8[])  -- once, not per row
           ORDER BY e.seq LIMIT lim)
-    ) AS w ORDER BY w.seq LIMIT lim;
-END
+    ) AS w ORDER BY w.seq LIMIT lim
 $$;
 
 -- Lock a shard for ack/nack/release and return its cursor, refusing a stale epoch.
@@ -548,85 +557,193 @@ BEGIN
 END
 $$;
 
--- Take one shard if it is free and has work: returns its batch (and writes the claim row), or
--- nothing (and writes nothing, unless it had to move past events of parked keys).
-CREATE OR REPLACE FUNCTION outbox._claim_shard(c outbox.consumers, shard int, batch_size int,
-                                    lease interval, owner text, seq_mark bigint, x xid8)
+-- The bound every window a claim opens closes at: the event seq, then a fresh xid (see the
+-- header), taken before the transaction writes anything. Once a second it is also recorded as
+-- a mark (outbox._marks).
+CREATE OR REPLACE FUNCTION outbox._claim_bound(func text, OUT seq bigint, OUT x xid8)
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
+        RAISE EXCEPTION '% must come before any write in its transaction', func
+            USING ERRCODE = 'active_sql_transaction',
+                  HINT = 'Call it in a transaction of its own (autocommit is fine).';
+    END IF;
+    seq := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
+    x := pg_current_xact_id();
+    IF coalesce((SELECT m.at FROM outbox._marks m ORDER BY m.top DESC LIMIT 1), '-infinity')
+       < now() - interval '1 second' THEN
+        INSERT INTO outbox._marks (top, seq) VALUES (x, seq) ON CONFLICT DO NOTHING;
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._check_claim(batch_size int, lease interval, func text) RETURNS void
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    PERFORM outbox._not_null(batch_size IS NULL, 'batch_size', func);
+    PERFORM outbox._not_null(lease IS NULL, 'lease', func);
+    PERFORM outbox._check_interval(lease, 'lease', '1 day', false);
+    IF batch_size < 1 OR batch_size > 100000 THEN
+        RAISE EXCEPTION 'batch_size % is out of range', batch_size
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass 1 to 100000.';
+    END IF;
+END
+$$;
+
+-- A shard's cursor if a claim may take the shard now: it locks the shard (SKIP LOCKED), which
+-- then has no batch out under a live lease, and has something to read: parked keys (parked),
+-- a window open, or an event above its floor (one index probe; no window is opened for
+-- nothing). Otherwise no cursor.
+CREATE OR REPLACE FUNCTION outbox._free_cursor(consumer_id int, shard int,
+                                               OUT cur outbox._cursor_log, OUT parked boolean)
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    floor_seq bigint;
+BEGIN
+    PERFORM FROM outbox._shards s
+     WHERE s.consumer_id = _free_cursor.consumer_id AND s.shard = _free_cursor.shard
+       FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN;  -- another claim is taking this shard right now
+    END IF;
+    cur := outbox._cursor(consumer_id, shard);
+    IF cur.lease_until > now() THEN
+        cur := NULL;  -- a batch is out under a live lease, or a release asked to wait
+        RETURN;
+    END IF;
+    parked := EXISTS (SELECT FROM outbox._parked p
+                       WHERE p.consumer_id = _free_cursor.consumer_id AND p.shard = _free_cursor.shard);
+    IF NOT parked AND cur.hi_snap IS NULL AND cur.restored_seq IS NULL THEN
+        floor_seq := outbox._pending_floor(cur);  -- a value: the probe's index bound
+        IF NOT EXISTS (SELECT FROM outbox.events e
+                        WHERE e.shard = _free_cursor.shard AND e.seq > floor_seq) THEN
+            cur := NULL;
+        END IF;
+    END IF;
+END
+$$;
+
+-- The claim row of a batch: the cursor, leased to owner, with the batch's last seq, whether
+-- it ends the window, and the parked heads handed out with it. Written by _append alone.
+CREATE OR REPLACE FUNCTION outbox._claimed(cur outbox._cursor_log, owner text, lease interval,
+                                           batch_end bigint, exhausted boolean, heads uuid[])
+RETURNS outbox._cursor_log
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    cur.epoch := cur.epoch + 1;
+    cur.owner := owner;
+    cur.lease_until := now() + lease;
+    cur.batch_end := batch_end;
+    cur.exhausted := exhausted;
+    cur.heads := heads;
+    RETURN cur;
+END
+$$;
+
+-- Claim one free shard's next batch (shards tried from a random one on): its events in commit
+-- order, read and handed out in one statement that also writes the claim row; or, when the
+-- shard has parked keys, through _claim_parked. Nothing when no shard has work.
+CREATE OR REPLACE FUNCTION outbox._claim(c outbox.consumers, batch_size int, lease interval,
+                                         owner text, seq_mark bigint, x xid8)
 RETURNS SETOF outbox.claimed
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    cur       outbox._cursor_log := outbox._cursor(c.id, shard);
-    fresh     boolean;
-    batch     outbox.events[];
-    parked    text[];
-    mine      outbox.events[];
-    heads     outbox.claimed[];
-    exhausted boolean;
-    any_parked boolean;
-    n         bigint;
+    n      int := outbox.shard_count();
+    start  int := floor(random() * n)::int;
+    free   record;
+    cur    outbox._cursor_log;
+    fresh  boolean;
+    got    bigint := 0;
 BEGIN
-    IF cur.lease_until > now() THEN
-        RETURN;  -- a batch is out under a live lease, or a release asked to wait
-    END IF;
-    any_parked := EXISTS (SELECT FROM outbox._parked p
-                           WHERE p.consumer_id = c.id AND p.shard = _claim_shard.shard);
-    IF NOT any_parked THEN
-        -- The common case: the whole page goes out. It is read once, into the result and into
-        -- the claim row (the bounds, as _append writes them; no row when the page is empty).
-        LOOP
+    FOR i IN 0 .. n - 1 LOOP
+        free := outbox._free_cursor(c.id, (start + i) % n);
+        CONTINUE WHEN free.cur IS NULL;
+        cur := free.cur;
+        IF free.parked THEN
+            RETURN QUERY SELECT * FROM outbox._claim_parked(c, cur, batch_size, lease, owner, seq_mark, x);
+            GET DIAGNOSTICS got = ROW_COUNT;
+        ELSE LOOP
             fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
             IF cur.hi_snap IS NULL THEN
                 cur := outbox._open_window(cur, seq_mark, x);
             END IF;
             RETURN QUERY
-            WITH page AS MATERIALIZED (
-                     SELECT * FROM outbox._window(_claim_shard.shard, cur, NULL, batch_size)),
-                 claim_row AS (
-                     INSERT INTO outbox._cursor_log
-                         (consumer_id, shard, epoch, owner, lease_until, lo_snap, lo_seq, lo_top,
-                          lo_txids, lo_floors, hi_snap, hi_seq, hi_top, hi_txids, hi_floors,
-                          late_from, late_to, after_seq, batch_end, exhausted, heads,
-                          restored_seq, restored_top)
-                     SELECT cur.consumer_id, cur.shard, cur.epoch + 1, _claim_shard.owner,
-                            now() + lease, cur.lo_snap, cur.lo_seq, cur.lo_top, cur.lo_txids,
-                            cur.lo_floors, cur.hi_snap, cur.hi_seq, cur.hi_top, cur.hi_txids,
-                            cur.hi_floors, cur.late_from, cur.late_to, cur.after_seq, max(p.seq),
-                            count(*) < batch_size, '{}', cur.restored_seq, cur.restored_top
+            WITH page AS MATERIALIZED (SELECT * FROM outbox._window(cur.shard, cur, NULL, batch_size)),
+                 written AS MATERIALIZED (
+                     SELECT outbox._append(outbox._claimed(cur, owner, lease, max(p.seq),
+                                                           count(*) < batch_size, '{}'))
                        FROM page p HAVING count(*) > 0)
-            SELECT _claim_shard.shard, cur.epoch + 1, p.id, p.topic, p.aggregate_type,
-                   p.aggregate_id, p.event_type, p.payload, p.headers, p.created_at, p.seq, 1
-              FROM page p ORDER BY p.seq;
-            GET DIAGNOSTICS n = ROW_COUNT;
-            EXIT WHEN n > 0 OR fresh;  -- a batch, or nothing new since the last window
+            SELECT cur.shard, cur.epoch + 1, p.id, p.topic, p.aggregate_type, p.aggregate_id,
+                   p.event_type, p.payload, p.headers, p.created_at, p.seq, 1
+              FROM page p CROSS JOIN (SELECT count(*) FROM written) AS w  -- w: the row is written
+             ORDER BY p.seq;
+            GET DIAGNOSTICS got = ROW_COUNT;
+            EXIT WHEN got > 0 OR fresh;  -- a batch, or nothing new since the last window
             cur := outbox._next_window(cur);
-        END LOOP;
-        RETURN;
-    END IF;
+        END LOOP; END IF;
+        EXIT WHEN got > 0;
+    END LOOP;
+END
+$$;
+
+-- The parked keys of a shard that are due: their heads, in the order they fell due.
+CREATE OR REPLACE FUNCTION outbox._due_heads(c outbox.consumers, shard int, lim int)
+RETURNS outbox.claimed[]
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    RETURN ARRAY(
+        SELECT ROW(_due_heads.shard, NULL, q.id, q.topic, q.aggregate_type, q.aggregate_id,
+                   q.event_type, q.payload, q.headers, q.created_at, q.seq, p.attempts + 1)::outbox.claimed
+          FROM (SELECT * FROM outbox._parked p
+                 WHERE p.consumer_id = c.id AND p.shard = _due_heads.shard AND p.next_attempt_at <= now()
+                 ORDER BY p.next_attempt_at LIMIT lim) AS p
+         CROSS JOIN LATERAL (SELECT * FROM outbox._parked_events q
+                              WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
+                              ORDER BY q.pos LIMIT 1) AS q
+         ORDER BY p.next_attempt_at);
+END
+$$;
+
+-- _claim for a shard with parked keys: the page's events of parked keys join their queues
+-- instead of going out (the shard moves past pages that hold only those), and the batch also
+-- holds the due heads. Nothing (and no claim row) when neither is left.
+CREATE OR REPLACE FUNCTION outbox._claim_parked(c outbox.consumers, cur outbox._cursor_log,
+                                                batch_size int, lease interval, owner text,
+                                                seq_mark bigint, x xid8)
+RETURNS SETOF outbox.claimed
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    fresh     boolean;
+    page      outbox.events[];
+    mine      outbox.events[];
+    heads     outbox.claimed[];
+    exhausted boolean;
+BEGIN
     LOOP
         fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
         IF cur.hi_snap IS NULL THEN
             cur := outbox._open_window(cur, seq_mark, x);
         END IF;
-        batch := ARRAY(SELECT w FROM outbox._window(shard, cur, NULL, batch_size) AS w);
-        exhausted := cardinality(batch) < batch_size;
-        -- keys parked for this consumer do not go out with the shard: they queue behind their head
-        parked := CASE WHEN any_parked THEN
-                      ARRAY(SELECT DISTINCT p.aggregate_id FROM outbox._parked p
-                             WHERE p.consumer_id = c.id AND p.shard = _claim_shard.shard
-                               AND p.aggregate_id IN (SELECT b.aggregate_id FROM unnest(batch) b))
-                  ELSE '{}' END;
-        IF cardinality(parked) > 0 THEN
-            PERFORM outbox._queue_parked(c.id, ARRAY(SELECT b FROM unnest(batch) b
-                                                      WHERE b.aggregate_id = ANY (parked)));
-            mine := ARRAY(SELECT b FROM unnest(batch) b WHERE b.aggregate_id <> ALL (parked));
-        ELSE
-            mine := batch;
-        END IF;
+        page := ARRAY(SELECT w FROM outbox._window(cur.shard, cur, NULL, batch_size) AS w ORDER BY w.seq);
+        exhausted := cardinality(page) < batch_size;
+        PERFORM outbox._queue_parked(c.id, ARRAY(
+            SELECT e FROM unnest(page) e
+             WHERE EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = c.id AND p.aggregate_id = e.aggregate_id)));
+        mine := ARRAY(SELECT e FROM unnest(page) e
+                       WHERE NOT EXISTS (SELECT FROM outbox._parked p
+                                          WHERE p.consumer_id = c.id AND p.aggregate_id = e.aggregate_id)
+                       ORDER BY e.seq);  -- in seq order: an anti-join need not keep the page's
         EXIT WHEN cardinality(mine) > 0;
-        IF cardinality(batch) > 0 THEN
+        IF cardinality(page) > 0 THEN
             -- only parked keys' events here: record that the shard moved past them, go on
-            cur := outbox._advance(cur, batch[cardinality(batch)].seq, exhausted);
+            cur := outbox._advance(cur, page[cardinality(page)].seq, exhausted);
             PERFORM outbox._append(cur);
         ELSIF fresh THEN
             EXIT;  -- nothing new since the last window
@@ -634,36 +751,18 @@ BEGIN
             cur := outbox._next_window(cur);
         END IF;
     END LOOP;
-
-    -- parked keys of this shard that are due: their heads, in the order they fell due
-    heads := CASE WHEN NOT any_parked THEN '{}' ELSE ARRAY(
-        SELECT ROW(_claim_shard.shard, NULL, q.id, q.topic, q.aggregate_type, q.aggregate_id,
-                   q.event_type, q.payload, q.headers, q.created_at, q.seq, p.attempts + 1)::outbox.claimed
-          FROM (SELECT * FROM outbox._parked p
-                 WHERE p.consumer_id = c.id AND p.shard = _claim_shard.shard
-                   AND p.next_attempt_at <= now()
-                 ORDER BY p.next_attempt_at LIMIT batch_size) AS p
-         CROSS JOIN LATERAL (SELECT * FROM outbox._parked_events q
-                              WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
-                              ORDER BY q.pos LIMIT 1) AS q
-         ORDER BY p.next_attempt_at) END;
+    heads := outbox._due_heads(c, cur.shard, batch_size);
     IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
         RETURN;
     END IF;
-
-    cur.epoch := cur.epoch + 1;
-    cur.owner := owner;
-    cur.lease_until := now() + lease;
-    cur.batch_end := CASE WHEN cardinality(batch) > 0 THEN batch[cardinality(batch)].seq
-                          ELSE cur.after_seq END;
-    cur.exhausted := exhausted;
-    cur.heads := ARRAY(SELECT h.id FROM unnest(heads) h);
+    cur := outbox._claimed(cur, owner, lease,
+                           CASE WHEN cardinality(page) > 0 THEN page[cardinality(page)].seq ELSE cur.after_seq END,
+                           exhausted, ARRAY(SELECT h.id FROM unnest(heads) h));
     PERFORM outbox._append(cur);
-
     RETURN QUERY
-    SELECT _claim_shard.shard, cur.epoch, m.id, m.topic, m.aggregate_type, m.aggregate_id,
-           m.event_type, m.payload, m.headers, m.created_at, m.seq, 1
-      FROM unnest(mine) AS m;
+    SELECT cur.shard, cur.epoch, m.id, m.topic, m.aggregate_type, m.aggregate_id, m.event_type,
+           m.payload, m.headers, m.created_at, m.seq, 1
+      FROM unnest(mine) AS m ORDER BY m.seq;
     RETURN QUERY
     SELECT h.shard, cur.epoch, h.id, h.topic, h.aggregate_type, h.aggregate_id, h.event_type,
            h.payload, h.headers, h.created_at, h.seq, h.attempt
@@ -776,7 +875,7 @@ CREATE OR REPLACE FUNCTION outbox._batch(cur outbox._cursor_log) RETURNS outbox.
     LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
-    RETURN ARRAY(SELECT w FROM outbox._window(cur.shard, cur, cur.batch_end, NULL) w);
+    RETURN ARRAY(SELECT w FROM outbox._window(cur.shard, cur, cur.batch_end, NULL) w ORDER BY w.seq);
 END
 $$;
 
@@ -920,6 +1019,7 @@ CREATE OR REPLACE FUNCTION outbox.create_consumer(
     backoff_max   interval DEFAULT '10 minutes'
 ) RETURNS void
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     rebased boolean := outbox._rebase_if_restored();  -- first: it may write
@@ -985,6 +1085,7 @@ COMMENT ON FUNCTION outbox.create_consumer(text, boolean, int, interval, interva
 
 CREATE OR REPLACE FUNCTION outbox.drop_consumer(name text) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
     PERFORM outbox._not_null(name IS NULL, 'name', 'outbox.drop_consumer');
@@ -1008,51 +1109,20 @@ CREATE OR REPLACE FUNCTION outbox.claim(
     owner      text     DEFAULT NULL
 ) RETURNS SETOF outbox.claimed
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     rebased boolean := outbox._rebase_if_restored();  -- first: it may write
-    c     outbox.consumers := outbox._consumer(consumer);
-    n     int := outbox.shard_count();
-    start int := floor(random() * n)::int;
-    s     int;
-    seq_mark bigint;
-    x     xid8;
+    c       outbox.consumers := outbox._consumer(consumer);
+    b       record;
 BEGIN
-    -- The bound of any window this claim opens: the seq, then a fresh xid (see the header).
     IF rebased THEN
         RETURN;  -- this transaction rebased a restored database (it wrote): claim in the next
     END IF;
-    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
-        RAISE EXCEPTION 'outbox.claim must come before any write in its transaction'
-            USING ERRCODE = 'active_sql_transaction',
-                  HINT = 'Call claim in a transaction of its own (autocommit is fine), and ack or '
-                         'nack in the next ones.';
-    END IF;
-    PERFORM outbox._not_null(batch_size IS NULL, 'batch_size', 'outbox.claim');
-    PERFORM outbox._not_null(lease IS NULL, 'lease', 'outbox.claim');
-    PERFORM outbox._check_interval(lease, 'lease', '1 day', false);
-    IF batch_size < 1 OR batch_size > 100000 THEN
-        RAISE EXCEPTION 'batch_size % is out of range', batch_size
-            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass 1 to 100000.';
-    END IF;
-    seq_mark := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
-    x := pg_current_xact_id();
-    IF coalesce((SELECT m.at FROM outbox._marks m ORDER BY m.top DESC LIMIT 1), '-infinity')
-       < now() - interval '1 second' THEN
-        INSERT INTO outbox._marks (top, seq) VALUES (x, seq_mark) ON CONFLICT DO NOTHING;
-    END IF;
-    FOR i IN 0 .. n - 1 LOOP
-        s := (start + i) % n;
-        PERFORM FROM outbox._shards sh WHERE sh.consumer_id = c.id AND sh.shard = s
-            FOR UPDATE SKIP LOCKED;
-        CONTINUE WHEN NOT FOUND;  -- another claim is taking this shard right now
-        RETURN QUERY SELECT * FROM outbox._claim_shard(c, s, batch_size, lease,
-                                                       coalesce(owner, 'backend ' || pg_backend_pid()),
-                                                       seq_mark, x);
-        IF FOUND THEN
-            RETURN;
-        END IF;
-    END LOOP;
+    PERFORM outbox._check_claim(batch_size, lease, 'outbox.claim');
+    b := outbox._claim_bound('outbox.claim');
+    RETURN QUERY SELECT * FROM outbox._claim(c, batch_size, lease,
+                                             coalesce(owner, 'backend ' || pg_backend_pid()), b.seq, b.x);
 END
 $$;
 COMMENT ON FUNCTION outbox.claim(text, int, interval, text) IS
@@ -1060,24 +1130,34 @@ COMMENT ON FUNCTION outbox.claim(text, int, interval, text) IS
     'batch_size, plus parked keys due for retry); nothing when no shard has work. '
     'Example: SELECT * FROM outbox.claim(''billing-webhook'', 100, ''30 seconds'');';
 
+-- What settle, ack and settle_and_claim share: the leased batch's failures, then the rest.
+CREATE OR REPLACE FUNCTION outbox._settle(c outbox.consumers, cur outbox._cursor_log,
+                                          failures outbox._failure[]) RETURNS int
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    kept int := 0;
+BEGIN
+    IF cardinality(failures) > 0 THEN
+        kept := outbox._fail_batch(c, cur, failures);
+    END IF;
+    PERFORM outbox._deliver_rest(c, cur);
+    RETURN kept;
+END
+$$;
+
 CREATE OR REPLACE FUNCTION outbox.settle(consumer text, shard int, epoch bigint,
                                          failures jsonb DEFAULT '[]') RETURNS int
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     c    outbox.consumers := outbox._consumer(consumer);
     list outbox._failure[];
-    cur  outbox._cursor_log;
-    kept int := 0;
 BEGIN
     PERFORM outbox._not_null(failures IS NULL, 'failures', 'outbox.settle');
     list := outbox._failures(failures);
-    cur := outbox._leased(c.id, shard, epoch);
-    IF cardinality(list) > 0 THEN
-        kept := outbox._fail_batch(c, cur, list);
-    END IF;
-    PERFORM outbox._deliver_rest(c, cur);
-    RETURN kept;
+    RETURN outbox._settle(c, outbox._leased(c.id, shard, epoch), list);
 END
 $$;
 COMMENT ON FUNCTION outbox.settle(text, int, bigint, jsonb) IS
@@ -1088,9 +1168,51 @@ COMMENT ON FUNCTION outbox.settle(text, int, bigint, jsonb) IS
     'Returns how many events were kept back. Example: SELECT outbox.settle(''hook'', 3, 17, '
     '''[{"id": "0190...", "error": "HTTP 503", "retry_after": 30}]'');';
 
+CREATE OR REPLACE FUNCTION outbox.settle_and_claim(
+    consumer   text,
+    shard      int,
+    epoch      bigint,
+    failures   jsonb    DEFAULT '[]',
+    batch_size int      DEFAULT 100,
+    lease      interval DEFAULT '30 seconds',
+    owner      text     DEFAULT NULL
+) RETURNS SETOF outbox.claimed
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    rebased boolean := outbox._rebase_if_restored();  -- first: it may write
+    c       outbox.consumers := outbox._consumer(consumer);
+    list    outbox._failure[];
+    b       record;
+BEGIN
+    PERFORM outbox._not_null(failures IS NULL, 'failures', 'outbox.settle_and_claim');
+    list := outbox._failures(failures);
+    PERFORM outbox._check_claim(batch_size, lease, 'outbox.settle_and_claim');
+    IF NOT rebased THEN
+        b := outbox._claim_bound('outbox.settle_and_claim');  -- before settling writes anything
+    END IF;
+    PERFORM outbox._settle(c, outbox._leased(c.id, shard, epoch), list);
+    IF NOT rebased THEN
+        RETURN QUERY SELECT * FROM outbox._claim(c, batch_size, lease,
+                                                 coalesce(owner, 'backend ' || pg_backend_pid()), b.seq, b.x);
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION outbox.settle_and_claim(text, int, bigint, jsonb, int, interval, text) IS
+    'settle, then claim, in one call and one transaction: a relay''s loop in one round trip. '
+    'Example: SELECT * FROM outbox.settle_and_claim(''hook'', 3, 17, ''[]'', 100);';
+
 CREATE OR REPLACE FUNCTION outbox.ack(consumer text, shard int, epoch bigint) RETURNS void
-    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-AS $$ SELECT outbox.settle(consumer, shard, epoch) $$;
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    c outbox.consumers := outbox._consumer(consumer);
+BEGIN
+    PERFORM outbox._settle(c, outbox._leased(c.id, shard, epoch), '{}');
+END
+$$;
 COMMENT ON FUNCTION outbox.ack(text, int, bigint) IS
     'settle with no failures: every event not nacked or rejected counts as delivered and the '
     'shard moves on. Example: SELECT outbox.ack(''billing-webhook'', 3, 17);';
@@ -1098,6 +1220,7 @@ COMMENT ON FUNCTION outbox.ack(text, int, bigint) IS
 CREATE OR REPLACE FUNCTION outbox.nack(consumer text, shard int, epoch bigint, event_id uuid, error text,
                             retry_after interval DEFAULT NULL) RETURNS void
     LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
     RETURN outbox._fail(consumer, shard, epoch, event_id, error, retry_after, false);
 COMMENT ON FUNCTION outbox.nack(text, int, bigint, uuid, text, interval) IS
     'One failure of settle, reported on its own: the event''s key is parked (the shard goes on '
@@ -1108,6 +1231,7 @@ COMMENT ON FUNCTION outbox.nack(text, int, bigint, uuid, text, interval) IS
 CREATE OR REPLACE FUNCTION outbox.reject(consumer text, shard int, epoch bigint, event_id uuid, error text)
 RETURNS void
     LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
     RETURN outbox._fail(consumer, shard, epoch, event_id, error, NULL, true);
 COMMENT ON FUNCTION outbox.reject(text, int, bigint, uuid, text) IS
     'A final failure of settle, reported on its own (e.g. HTTP 400): the event goes to '
@@ -1118,6 +1242,7 @@ COMMENT ON FUNCTION outbox.reject(text, int, bigint, uuid, text) IS
 CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint,
                                retry_after interval DEFAULT '0') RETURNS void
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     c   outbox.consumers := outbox._consumer(consumer);
@@ -1138,6 +1263,7 @@ COMMENT ON FUNCTION outbox.release(text, int, bigint, interval) IS
 
 CREATE OR REPLACE FUNCTION outbox.release_owner(consumer text, owner text) RETURNS int
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     c   outbox.consumers := outbox._consumer(consumer);
@@ -1165,6 +1291,7 @@ COMMENT ON FUNCTION outbox.release_owner(text, text) IS
 
 CREATE OR REPLACE FUNCTION outbox.replay(consumer text, aggregate_id text DEFAULT NULL) RETURNS int
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     c outbox.consumers := outbox._consumer(consumer);

@@ -20,8 +20,8 @@
 --            operators are never looked up in pg_temp) and name our objects by schema.
 --            tests/test_roles.py checks that every one of them pins it.
 -- [inside]   Internal helpers (outbox._*, granted to no role) run only inside [pinned]
---            functions, whose search_path they inherit. (Three pure [parsed] ones, _pending,
---            _pending_floor and _routes, are granted to outbox_relay: the status views call them.)
+--            functions, whose search_path they inherit. (One [pinned] one, _shard_pending, is
+--            granted to outbox_relay and outbox_admin: the status views call it.)
 -- [parsed]   Views and SQL-standard bodies (LANGUAGE sql ... RETURN) are parsed once, by
 --            CREATE EXTENSION or ALTER EXTENSION UPDATE, whose search_path is pg_catalog,
 --            pg_temp (the control file's schema is pg_catalog).
@@ -63,14 +63,14 @@ TO outbox_producer;
 
 -- outbox_relay: read the log, claim and settle
 GRANT SELECT ON outbox.events, outbox.status, outbox.shard_status TO outbox_relay;
--- what the status views ask of each event (pure functions, inlined into the views' plans;
--- functions a view calls are checked against whoever reads it)
-GRANT EXECUTE ON FUNCTION outbox._pending(outbox._cursor_log, xid8, bigint),
-                          outbox._pending_floor(outbox._cursor_log),
-                          outbox._routes(outbox.sinks, text, text) TO outbox_relay;
+-- what the status views ask of each shard (functions a view calls are checked against
+-- whoever reads it)
+GRANT EXECUTE ON FUNCTION outbox._shard_pending(outbox._cursor_log, outbox.sinks)
+    TO outbox_relay, outbox_admin;
 GRANT EXECUTE ON FUNCTION
     outbox.claim(text, int, interval, text),
     outbox.settle(text, int, bigint, jsonb),
+    outbox.settle_and_claim(text, int, bigint, jsonb, int, interval, text),
     outbox.ack(text, int, bigint),
     outbox.nack(text, int, bigint, uuid, text, interval),
     outbox.reject(text, int, bigint, uuid, text),

@@ -278,10 +278,20 @@ BEGIN
                 RETURN QUERY SELECT 'moved', created::text, 'rows from the default partition';
             END IF;
         END LOOP;
-        -- 3. partitions ahead
-        lo_at := outbox._floor_time(now(), cfg.width);
-        FOR i IN 0 .. cfg.ahead LOOP
-            created := outbox._create_partition(cfg.parent, lo_at + cfg.width * i, cfg.width);
+        -- 3. partitions ahead: the ranges no partition covers yet, found in one pass over the
+        --    partitions (each _create_partition call reads them all again)
+        FOR lo_at IN
+            WITH existing AS MATERIALIZED (
+                     SELECT x.lower, x.upper FROM outbox.partitions x
+                      WHERE x.parent = cfg.parent AND NOT x.is_default
+                        AND x.upper > outbox._floor_time(now(), cfg.width))
+            SELECT g FROM generate_series(outbox._floor_time(now(), cfg.width),
+                                          outbox._floor_time(now(), cfg.width) + cfg.width * cfg.ahead,
+                                          cfg.width) AS g
+             WHERE NOT EXISTS (SELECT FROM existing e WHERE e.lower <= g AND e.upper >= g + cfg.width)
+             ORDER BY g
+        LOOP
+            created := outbox._create_partition(cfg.parent, lo_at, cfg.width);
             IF created IS NOT NULL THEN
                 RETURN QUERY SELECT 'created', created::text, NULL::text;
             END IF;

@@ -52,6 +52,16 @@ class Relay:
         return self.conn.execute("SELECT outbox.settle(%s, %s, %s, %s)",
                                  (self.consumer, shard, epoch, Jsonb(failures or []))).fetchone()[0]
 
+    def settle_and_claim(self, shard: int, epoch: int, failures: list[dict] | None = None) -> list[Event]:
+        """Settles the batch and claims the next one, in one call."""
+        with self.conn.cursor(row_factory=dict_row) as cur:
+            rows = cur.execute(
+                "SELECT shard, epoch, id, aggregate_id, event_type, payload, headers, seq, attempt, topic "
+                "FROM outbox.settle_and_claim(%s, %s, %s, %s, %s, %s::interval, %s)",
+                (self.consumer, shard, epoch, Jsonb(failures or []), self.batch_size, self.lease,
+                 self.owner)).fetchall()
+        return [Event(**r) for r in rows]
+
     @staticmethod
     def failure(event: Event, error: str, retry_after: str | None = None, final: bool = False) -> dict:
         return {"id": str(event.id), "error": error, "retry_after": retry_after, "final": final}

@@ -409,3 +409,21 @@ def test_roles_for_claims(connect, db, consumer):
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             connect(user).execute(sql)
     connect("admin_user").execute("SELECT outbox.create_consumer('by-admin')")
+
+
+def test_a_shard_with_a_parked_key_hands_out_the_others_in_commit_order(db, consumer):
+    a, b = keys_in_shard(db, 3, 2)
+    for i in range(3):
+        emit(db, a, payload=f'{{"i": {i}}}')
+        emit(db, b, payload=f'{{"i": {i}}}')
+    relay = Relay(db, consumer)
+    batch = relay.claim()
+    relay.nack(batch[0], "down", retry_after="1 hour")   # a is parked, its events queue
+    relay.ack(batch[0].shard, batch[0].epoch)
+    for i in range(3, 9):
+        emit(db, a, payload=f'{{"i": {i}}}')
+        emit(db, b, payload=f'{{"i": {i}}}')
+    batch = relay.claim()
+    assert [(e.aggregate_id, e.payload["i"]) for e in batch] == [(b, i) for i in range(3, 9)]
+    queued = db.execute("SELECT (payload->>'i')::int FROM outbox._parked_events ORDER BY pos").fetchall()
+    assert [r[0] for r in queued] == list(range(9)), "a's events queue in order"

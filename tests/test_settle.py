@@ -169,27 +169,47 @@ def test_if_recording_a_failure_fails_the_rest_settles_and_status_says_why(clust
     assert {e.aggregate_id for e in relay.claim()} <= {a, b}, "c was delivered; only the parked heads come back"
 
 
-def test_parallel_relays_settling_with_kills_keep_per_key_order(cluster, dbname, db, relay):
+@pytest.mark.parametrize("one_call", [False, True], ids=["settle", "settle_and_claim"])
+def test_parallel_relays_settling_with_kills_keep_per_key_order(cluster, dbname, db, relay, one_call):
     """Three relays on their own connections settle batches with random failures (some final)
-    and are killed with pg_terminate_backend between claim and settle; a key's first
-    deliveries follow its commit order and nothing is lost."""
+    and are killed with pg_terminate_backend between claim and settle, while writers commit
+    (some late, from transactions left open across several claims); a key's first deliveries
+    follow its commit order and nothing is lost. Writers serialize per key, as applications do."""
     import random
     import threading
     keys = [f"agg-{i}" for i in range(10)]
-    for i in range(400):
+    for i in range(200):
         db.execute("SELECT outbox.emit('order', %s, 'e', jsonb_build_object('i', %s::int))", (keys[i % 10], i))
     delivered, dead_ids, lock = [], set(), threading.Lock()
+    writers = [2]                     # still writing
+    writing = threading.Event()
+    writing.set()
+
+    def write(w: int) -> None:
+        rnd = random.Random(50 + w)
+        with cluster.connect(dbname, autocommit=False) as conn:
+            for i in range(200 + w, 400, 2):
+                key = keys[i % 10]
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (key,))
+                conn.execute("SELECT outbox.emit('order', %s, 'e', jsonb_build_object('i', %s::int))", (key, i))
+                if rnd.random() < 0.1:
+                    time.sleep(0.05)   # open across claims: commits late
+                conn.commit()
+        with lock:
+            writers[0] -= 1
+            if not writers[0]:
+                writing.clear()
 
     def run(n: int) -> None:
         rnd = random.Random(n)
         conn = cluster.connect(dbname)
         r = Relay(conn, "sink", batch_size=rnd.choice([5, 20]), lease="300 milliseconds", owner=f"r{n}")
-        idle = 0
+        idle, batch = 0, []
         while idle < 40:
             try:
-                batch = r.claim()
+                batch = batch or r.claim()
                 if not batch:
-                    idle += 1
+                    idle = 0 if writing.is_set() else idle + 1
                     time.sleep(0.01)
                     continue
                 idle = 0
@@ -208,13 +228,19 @@ def test_parallel_relays_settling_with_kills_keep_per_key_order(cluster, dbname,
                         sent.append(e)
                 with lock:   # delivered before settling, as a sink would see them
                     delivered.extend((e.aggregate_id, e.payload["i"], e.id) for e in sent)
-                r.settle(batch[0].shard, batch[0].epoch, failures)
+                if one_call:
+                    batch = r.settle_and_claim(batch[0].shard, batch[0].epoch, failures)
+                else:
+                    r.settle(batch[0].shard, batch[0].epoch, failures)
+                    batch = []
             except psycopg.Error:
+                batch = []
                 conn.close()
                 conn = r.conn = cluster.connect(dbname)
         conn.close()
 
     threads = [threading.Thread(target=run, args=(n,)) for n in range(3)]
+    threads += [threading.Thread(target=write, args=(w,)) for w in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -232,3 +258,37 @@ def test_parallel_relays_settling_with_kills_keep_per_key_order(cluster, dbname,
         # settled deliveries of a key are in order except for events that died in between
         assert seen == sorted(seen), key
     assert db.execute("SELECT count(*) FROM outbox._parked").fetchone()[0] == 0
+
+
+def test_settle_and_claim_reads_on_in_one_call_and_misses_no_late_commit(db, connect, relay):
+    late = connect(autocommit=False)
+    late.execute("SELECT outbox.emit('order', 'late', 'e', jsonb_build_object('i', -1))")  # open: commits later
+    for i in range(30):
+        db.execute("SELECT outbox.emit('order', %s, 'e', jsonb_build_object('i', %s::int))", (f"k{i % 3}", i))
+    relay.batch_size = 4
+    seen, batch = [], relay.claim()
+    while batch:
+        seen += batch
+        if len(seen) > 12 and late.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            late.commit()   # commits while the relay is in the middle of its windows
+        batch = relay.settle_and_claim(batch[0].shard, batch[0].epoch)
+        if not batch:
+            batch = relay.claim()   # the shards whose windows ended: a new window each
+    assert sorted(e.payload["i"] for e in seen) == list(range(-1, 30)), "each event once, the late one too"
+    for key in ("k0", "k1", "k2"):
+        mine = [e.payload["i"] for e in seen if e.aggregate_id == key]
+        assert mine == sorted(mine)
+
+
+def test_settle_and_claim_refuses_a_stale_batch_and_a_transaction_that_wrote(db, connect, relay):
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    batch = relay.claim()
+    relay.settle(batch[0].shard, batch[0].epoch)
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):
+        relay.settle_and_claim(batch[0].shard, batch[0].epoch)
+    assert db.execute("SELECT count(*) FROM outbox.shard_status WHERE leased_by IS NOT NULL").fetchone()[0] == 0
+    conn = connect(autocommit=False)
+    conn.execute("SELECT outbox.emit('order', 'other', 'e', '{}')")
+    with pytest.raises(psycopg.errors.ActiveSqlTransaction):
+        conn.execute("SELECT * FROM outbox.settle_and_claim('sink', 0, 1)")

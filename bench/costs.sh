@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Costs that should not grow with what a call does not need to read, each factor varied in
+# one run (no network):
+#   outbox.status and outbox.shard_status with BIG events in the log, pending and delivered
+#   a drain of BIG events against one of SMALL (one relay, batch 100, claim + settle)
+#   an empty claim (16 shards, nothing to read)
+#   outbox.maintain() with nothing to do, at 4 and at about 400 partitions
+#   claim + settle with 4 and with about 200 partitions
+# Targets (#14): status under 20 ms; the big drain >= 0.8x the small one's rate; an empty
+# claim under 1 ms; maintain under 50 ms at 400 partitions; 200 partitions within 1.25x of 4.
+# Usage: bench/costs.sh [big, default 2000000] [small, default 20000]
+source "$(dirname "$0")/common.sh"
+BIG=${1:-2000000}
+SMALL=${2:-20000}
+WORK=$(mktemp -d)
+start_bench_cluster costs
+sql -c "CREATE EXTENSION outbox_ext" -c "SELECT count(*) FROM outbox.maintain()" >/dev/null
+write_outbox_relay "$WORK/relay.sql" 100
+
+# ms SQL [runs]: the median wall time of a query, in milliseconds, over runs in one transaction
+ms() {
+    sql -At <<SQL
+CREATE TEMP TABLE t (ms float8);
+DO \$\$ DECLARE s timestamptz; BEGIN
+    FOR i IN 1 .. ${2:-5} LOOP
+        s := clock_timestamp(); PERFORM * FROM ($1) AS q; INSERT INTO t VALUES (extract(epoch FROM clock_timestamp() - s) * 1000);
+    END LOOP; END \$\$;
+SELECT round(percentile_cont(0.5) WITHIN GROUP (ORDER BY ms)::numeric, 2) FROM t;
+SQL
+}
+
+# fill N: a fresh consumer 'bench' and N events (100,000 per statement), then VACUUM ANALYZE
+fill() {
+    sql -c "TRUNCATE outbox.events" -c "SELECT outbox.drop_consumer('bench')" -c "SELECT outbox.create_consumer('bench')" >/dev/null
+    local left=$1 n
+    while (( left > 0 )); do
+        n=$(( left < 100000 ? left : 100000 )); left=$(( left - n ))
+        sql -c "SELECT count(*) FROM outbox.emit_many('order', 'order.created', (SELECT array_agg((i % 10000)::text) FROM generate_series(1, $n) i), (SELECT array_agg(jsonb_build_object('customer', 'c', 'total', i)) FROM generate_series(1, $n) i))" >/dev/null
+    done
+    sql -c "VACUUM ANALYZE" >/dev/null
+}
+
+# drain N -> events/s: one relay, batch 100, claim + settle, until nothing is left
+drain() {
+    local start end
+    start=$(now_s)
+    "$BIN/pgbench" -n -M prepared -h 127.0.0.1 -p "$PORT" -U postgres -c 1 -j 1 -t $(( $1 / 100 + 20 )) \
+        -f "$WORK/relay.sql" bench >/dev/null 2>"$WORK/err" || { cat "$WORK/err"; exit 1; }
+    end=$(now_s)
+    [ "$(sql_value "SELECT count(*) FROM outbox.claim('bench', 1)")" = 0 ] || { echo "not drained" >&2; exit 1; }
+    awk -v n="$1" -v a="$start" -v b="$end" 'BEGIN{printf "%.0f", n/(b-a)}'
+}
+
+declare -A v
+fill "$SMALL"; v[small]=$(drain "$SMALL"); log "drain of $SMALL: ${v[small]} events/s"
+fill "$BIG"
+v[status_pending]=$(ms "SELECT * FROM outbox.status"); v[shard_pending]=$(ms "SELECT * FROM outbox.shard_status")
+log "status with $BIG pending: ${v[status_pending]} ms, shard_status ${v[shard_pending]} ms"
+v[big]=$(drain "$BIG"); log "drain of $BIG: ${v[big]} events/s"
+v[status_done]=$(ms "SELECT * FROM outbox.status"); v[shard_done]=$(ms "SELECT * FROM outbox.shard_status")
+log "status with $BIG delivered: ${v[status_done]} ms, shard_status ${v[shard_done]} ms"
+echo "SELECT count(*) FROM outbox.claim('bench', 100);" > "$WORK/empty.sql"   # a transaction each
+v[empty]=$(awk -v t="$(pgbench_run "$WORK/empty.sql" 1 -T 5)" 'BEGIN{printf "%.3f", 1000/t}')
+log "empty claim: ${v[empty]} ms"
+
+# partitions: 4 (today, two ahead, default) against one-minute partitions, 200 and 400
+parts() { sql_value "SELECT count(*) FROM outbox.partitions WHERE parent = 'outbox.events'::regclass"; }
+v[maintain_4]=$(ms "SELECT * FROM outbox.maintain()"); v[parts_4]=$(parts)
+fill "$SMALL"; v[claim_4]=$(drain "$SMALL")
+sql -c "UPDATE outbox.partition_config SET width = '1 minute', ahead = 199 WHERE parent = 'outbox.events'::regclass" \
+    -c "SELECT count(*) FROM outbox.maintain()" >/dev/null
+v[parts_200]=$(parts); fill "$SMALL"; v[claim_200]=$(drain "$SMALL")
+log "claim + settle with ${v[parts_4]} partitions: ${v[claim_4]} events/s, with ${v[parts_200]}: ${v[claim_200]}"
+sql -c "UPDATE outbox.partition_config SET ahead = 399 WHERE parent = 'outbox.events'::regclass" \
+    -c "SELECT count(*) FROM outbox.maintain()" >/dev/null
+v[parts_400]=$(parts); v[maintain_400]=$(ms "SELECT * FROM outbox.maintain()")
+log "maintain with nothing to do: ${v[maintain_4]} ms at ${v[parts_4]} partitions, ${v[maintain_400]} ms at ${v[parts_400]}"
+
+echo
+echo "Costs benchmark: PostgreSQL 15, $(nproc) cores, no network"
+echo
+echo "| what | measured | against | ratio or target |"
+echo "| --- | --- | --- | --- |"
+echo "| outbox.status, $BIG events pending | ${v[status_pending]} ms | | target < 20 ms |"
+echo "| outbox.shard_status, $BIG events pending | ${v[shard_pending]} ms | | target < 20 ms |"
+echo "| outbox.status, $BIG events delivered | ${v[status_done]} ms | | target < 20 ms |"
+echo "| outbox.shard_status, $BIG events delivered | ${v[shard_done]} ms | | target < 20 ms |"
+echo "| drain of $BIG (batch 100, 1 relay) | ${v[big]}/s | drain of $SMALL: ${v[small]}/s | $(ratio "${v[big]}" "${v[small]}") (target >= 0.8x) |"
+echo "| empty claim, 16 shards | ${v[empty]} ms | | target < 1 ms |"
+echo "| maintain(), nothing to do, ${v[parts_400]} partitions | ${v[maintain_400]} ms | ${v[parts_4]} partitions: ${v[maintain_4]} ms | target < 50 ms |"
+echo "| claim + settle, ${v[parts_200]} partitions | ${v[claim_200]}/s | ${v[parts_4]} partitions: ${v[claim_4]}/s | $(ratio "${v[claim_200]}" "${v[claim_4]}") (target >= 0.8x) |"
+rm -rf "$WORK"

@@ -1,0 +1,338 @@
+//! The worker's delivery loop: keeps up to `concurrency` batches in flight per sink, each a
+//! shard claimed in a short transaction and handed to the delivery threads; settles what comes
+//! back, also in short transactions; pauses a sink that is down; keeps each sink's figures.
+//! Woken by its latch (emit's commit, signals), by a finished batch, or by the fallback poll
+//! (prepared transactions, parked keys falling due, a paused sink resuming).
+
+use super::queries::{self, Figures, SinkRow};
+use super::pool::{Done, Pool};
+use super::report_activity;
+use crate::sinks::{Client, Outcome};
+use pgrx::bgworkers::BackgroundWorker;
+use pgrx::prelude::*;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The longest the worker sleeps with nothing to wake it.
+const POLL: Duration = Duration::from_secs(1);
+/// How often sink rows are reread (changes apply without a restart) and figures written.
+const RELOAD: Duration = Duration::from_secs(1);
+const FLUSH: Duration = Duration::from_secs(2);
+/// The delivery rate is the average over this window.
+const RATE_WINDOW: Duration = Duration::from_secs(10);
+/// A sink that is down is retried after 0.5 s, doubling up to this.
+const MAX_PAUSE: Duration = Duration::from_secs(30);
+/// On SIGTERM, batches in flight get this long to finish and be settled.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// Claims shrink below the sink's batch_size when events are big, to about this many bytes,
+/// so memory stays bounded whatever the payload sizes.
+const BATCH_BYTES: usize = 8 * 1024 * 1024;
+
+struct Sink {
+    client: Arc<Client>,
+    stamp: String,
+    /// Events per claim: batch_size, less when events are big (see BATCH_BYTES).
+    batch_limit: i32,
+    paused_until: Option<Instant>,
+    down_streak: u32,
+    figures: Figures,
+    recent: VecDeque<(Instant, usize)>,
+    /// The last figures written said "nothing happening".
+    flushed_idle: bool,
+    logged_error: Option<(String, Instant)>,
+}
+
+pub struct Delivery {
+    pool: Pool,
+    sinks: HashMap<String, Sink>,
+    next_reload: Instant,
+    next_flush: Instant,
+}
+
+impl Delivery {
+    pub fn new() -> std::io::Result<Delivery> {
+        Ok(Delivery {
+            pool: Pool::new()?,
+            sinks: HashMap::new(),
+            next_reload: Instant::now(),
+            next_flush: Instant::now() + FLUSH,
+        })
+    }
+
+    pub fn reload_soon(&mut self) {
+        self.next_reload = Instant::now();
+    }
+
+    /// Sleeps until there is something to do (or `deadline`); false once SIGTERM came.
+    pub fn wait(&mut self, deadline: Instant) -> bool {
+        let now = Instant::now();
+        let mut until = deadline.min(now + POLL).min(self.next_flush);
+        for sink in self.sinks.values() {
+            if let Some(t) = sink.paused_until {
+                until = until.min(t);
+            }
+        }
+        let timeout = until.saturating_duration_since(now).as_millis().max(1);
+        let events = pg_sys::WL_LATCH_SET
+            | pg_sys::WL_SOCKET_READABLE
+            | pg_sys::WL_TIMEOUT
+            | pg_sys::WL_EXIT_ON_PM_DEATH;
+        unsafe {
+            pg_sys::WaitLatchOrSocket(
+                pg_sys::MyLatch,
+                events as i32,
+                self.pool.wake_fd(),
+                timeout as std::ffi::c_long,
+                pg_sys::PG_WAIT_EXTENSION,
+            );
+            pg_sys::ResetLatch(pg_sys::MyLatch);
+        }
+        pg_sys::check_for_interrupts!();
+        !BackgroundWorker::sigterm_received()
+    }
+
+    /// One round: settle what finished, reread sinks when due, claim more, write figures.
+    pub fn run(&mut self) -> Result<(), String> {
+        self.settle_finished();
+        if unsafe { pg_sys::RecoveryInProgress() } {
+            // a standby: its primary's worker delivers; claims cannot write here
+            report_activity("standby: not delivering");
+            return Ok(());
+        }
+        if Instant::now() >= self.next_reload {
+            self.reload()?;
+        }
+        self.claim_more();
+        if Instant::now() >= self.next_flush {
+            self.flush_figures()?;
+        }
+        match self.pool.total_in_flight() {
+            0 => report_activity("idle"),
+            1 => report_activity("delivering: 1 batch in flight"),
+            n => report_activity(&format!("delivering: {n} batches in flight")),
+        }
+        Ok(())
+    }
+
+    /// Stops claiming; gives the batches in flight a grace period to finish and be settled.
+    pub fn shut_down(&mut self) {
+        report_activity("stopping: settling batches in flight");
+        let end = Instant::now() + SHUTDOWN_GRACE;
+        while self.pool.total_in_flight() > 0 && Instant::now() < end {
+            unsafe {
+                pg_sys::WaitLatchOrSocket(
+                    pg_sys::MyLatch,
+                    (pg_sys::WL_SOCKET_READABLE | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH)
+                        as i32,
+                    self.pool.wake_fd(),
+                    100,
+                    pg_sys::PG_WAIT_EXTENSION,
+                );
+            }
+            self.settle_finished();
+        }
+        let _ = self.flush_figures();
+    }
+
+    fn reload(&mut self) -> Result<(), String> {
+        self.next_reload = Instant::now() + RELOAD;
+        let rows = queries::load_sinks()?;
+        let gone: Vec<String> = (self.sinks.keys())
+            .filter(|name| !rows.iter().any(|r| r.config.name == **name))
+            .cloned()
+            .collect();
+        for name in gone {
+            self.sinks.remove(&name);
+            self.pool.forget(&name);
+        }
+        for row in rows {
+            let unchanged = self
+                .sinks
+                .get(&row.config.name)
+                .is_some_and(|s| s.stamp == row.stamp);
+            if !unchanged {
+                self.configure(row);
+            }
+        }
+        Ok(())
+    }
+
+    /// A new or changed sink: a new client; a new one also takes back a dead worker's leases.
+    fn configure(&mut self, row: SinkRow) {
+        let name = row.config.name.clone();
+        let client = match Client::new(row.config) {
+            Ok(client) => Arc::new(client),
+            Err(e) => {
+                warning!("outbox_ext: sink \"{name}\" is misconfigured: {e}");
+                self.sinks.remove(&name);
+                return;
+            }
+        };
+        match self.sinks.get_mut(&name) {
+            Some(sink) => {
+                // keep what the last claim learned of event sizes (a reload must not send one
+                // claim of batch_size big events); the next claim adapts to a new batch_size
+                sink.batch_limit = sink.batch_limit.min(client.config.batch_size);
+                sink.client = client;
+                sink.stamp = row.stamp;
+                sink.paused_until = None;
+            }
+            None => {
+                if let Err(e) = queries::take_back_leases(&name) {
+                    warning!("outbox_ext: sink \"{name}\": taking back leases: {e}");
+                }
+                self.sinks.insert(
+                    name,
+                    Sink {
+                        batch_limit: client.config.batch_size,
+                        client,
+                        stamp: row.stamp,
+                        paused_until: None,
+                        down_streak: 0,
+                        figures: Figures::default(),
+                        recent: VecDeque::new(),
+                        flushed_idle: false,
+                        logged_error: None,
+                    },
+                );
+            }
+        }
+    }
+
+    fn claim_more(&mut self) {
+        let now = Instant::now();
+        for (name, sink) in self.sinks.iter_mut() {
+            if sink.paused_until.is_some_and(|t| t > now) {
+                continue;
+            }
+            sink.paused_until = None;
+            let config = &sink.client.config;
+            // meant to outlast a batch's requests (a batch sent in many requests, e.g. format
+            // single, may take longer); a dead worker's leases are taken back at its restart
+            let lease = (config.request_timeout * 4).max(Duration::from_secs(300));
+            while self.pool.in_flight(name) < config.concurrency {
+                match queries::claim(config, sink.batch_limit, lease) {
+                    Ok(Some(batch)) => {
+                        sink.batch_limit = batch_limit(config.batch_size, &batch.events);
+                        self.pool.submit(Arc::clone(&sink.client), batch)
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        note_error(name, sink, &format!("claim failed: {e}"));
+                        sink.paused_until = Some(now + Duration::from_secs(1));
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    fn settle_finished(&mut self) {
+        for done in self.pool.take_done() {
+            self.settle(done);
+        }
+    }
+
+    fn settle(&mut self, done: Done) {
+        let Some(sink) = self.sinks.get_mut(&done.batch.sink) else {
+            // disabled (or dropped) while the batch was out: still record what became of it,
+            // so that it is not sent again when the sink comes back (a dropped sink's
+            // consumer is gone, and the statement fails harmlessly)
+            let _ = queries::settle(&done.batch, &done.outcome, Duration::ZERO);
+            self.pool.forget(&done.batch.sink);
+            return;
+        };
+        let pause = match &done.outcome {
+            Outcome::SinkDown { retry_after, .. } => {
+                // one step per pause, however many batches were out when the sink went down
+                if sink.paused_until.is_none_or(|t| t <= Instant::now()) {
+                    sink.down_streak += 1;
+                }
+                let backoff = Duration::from_millis(500)
+                    .saturating_mul(1 << sink.down_streak.min(16).saturating_sub(1))
+                    .min(MAX_PAUSE);
+                let pause = retry_after
+                    .unwrap_or(backoff)
+                    .min(Duration::from_secs(3600));
+                sink.paused_until = Some(Instant::now() + pause);
+                pause
+            }
+            Outcome::Events(_) => {
+                sink.down_streak = 0;
+                Duration::ZERO
+            }
+        };
+        match queries::settle(&done.batch, &done.outcome, pause) {
+            Ok(settled) => {
+                sink.figures.delivered += settled.delivered as u64;
+                sink.figures.failed += settled.failed as u64;
+                sink.recent.push_back((Instant::now(), settled.delivered));
+                if let Some(error) = settled.error {
+                    note_error(&done.batch.sink, sink, &error);
+                }
+            }
+            Err(e) => note_error(
+                &done.batch.sink,
+                sink,
+                &format!(
+                    "settling a batch of shard {} (took {:?}): {e}",
+                    done.batch.shard, done.took
+                ),
+            ),
+        }
+    }
+
+    fn flush_figures(&mut self) -> Result<(), String> {
+        self.next_flush = Instant::now() + FLUSH;
+        let now = Instant::now();
+        let mut figures = HashMap::new();
+        for (name, sink) in self.sinks.iter_mut() {
+            while sink
+                .recent
+                .front()
+                .is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW)
+            {
+                sink.recent.pop_front();
+            }
+            let mut f = std::mem::take(&mut sink.figures);
+            f.per_second = sink.recent.iter().map(|(_, n)| *n).sum::<usize>() as f64
+                / RATE_WINDOW.as_secs_f64();
+            let idle =
+                f.delivered == 0 && f.failed == 0 && f.error.is_none() && f.per_second == 0.0;
+            if !(idle && sink.flushed_idle) {
+                sink.flushed_idle = idle; // an idle sink's row is written once, not every 2 s
+                figures.insert(name.clone(), f);
+            }
+        }
+        queries::record_figures(&figures)
+    }
+}
+
+/// The next claim's size: batch_size, or fewer events of the size just seen to fit BATCH_BYTES.
+fn batch_limit(batch_size: i32, events: &[crate::sinks::Event]) -> i32 {
+    let bytes: usize = events
+        .iter()
+        .map(|e| {
+            e.payload.as_ref().map_or(0, String::len)
+                + e.headers.as_ref().map_or(0, String::len)
+                + 200
+        })
+        .sum();
+    let per_event = (bytes / events.len().max(1)).max(1);
+    ((BATCH_BYTES / per_event).max(1) as i32).min(batch_size)
+}
+
+/// Keeps the error for the sink's figures; logs it when it changes, or once a minute.
+fn note_error(name: &str, sink: &mut Sink, error: &str) {
+    sink.figures.error = Some(error.to_string());
+    let now = Instant::now();
+    let fresh = match &sink.logged_error {
+        Some((last, at)) => last != error || now.duration_since(*at) > Duration::from_secs(60),
+        None => true,
+    };
+    if fresh {
+        log!("outbox_ext: sink \"{name}\": {error}");
+        sink.logged_error = Some((error.to_string(), now));
+    }
+}

@@ -1,0 +1,308 @@
+//! The worker's statements: its side of delivery that talks to PostgreSQL, all on its main thread and each in a
+//! short transaction of its own: read the sinks, claim a batch, settle a finished batch (ack,
+//! nack, reject or release), record delivery figures. No network I/O happens in here.
+//!
+//! Every statement here runs in the worker's session (search_path `pg_catalog, pg_temp`, see
+//! `session`), and names what it uses by schema besides: our functions and tables as
+//! `outbox.*`, PostgreSQL's functions and operators as `pg_catalog.*` /
+//! `OPERATOR(pg_catalog.*)`, so that not even a changed search_path could make one resolve to
+//! another role's object. Values that would need an operator (intervals, NULLs for "none")
+//! are computed here and bound as parameters instead.
+
+use super::pool::Batch;
+use crate::sinks::{Config, Event, Kind, Outcome, Verdict};
+use super::session::in_transaction;
+use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+use serde_json::Value;
+use serde::Deserialize;
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+/// Who the worker's leases belong to: on start it takes back every lease of this name (only
+/// one worker serves a database, so any such lease is a dead worker's).
+pub const OWNER: &str = "outbox_ext worker";
+
+/// A sink as read, and a stamp that changes whenever its row does.
+pub struct SinkRow {
+    pub config: Config,
+    pub stamp: String,
+}
+
+pub fn load_sinks() -> Result<Vec<SinkRow>, String> {
+    in_transaction(|| {
+        Spi::connect(|client| {
+            // one JSON object per sink, read by column name into SinkColumns
+            let rows = client.select(
+                "SELECT pg_catalog.row_to_json(r)::text FROM (
+                     SELECT s.name, s.kind, s.url, s.format, s.topics, s.aggregate_types,
+                            s.batch_size, s.concurrency,
+                            pg_catalog.date_part('epoch', s.connect_timeout) AS connect_timeout,
+                            pg_catalog.date_part('epoch', s.request_timeout) AS request_timeout,
+                            s.secret, s.http_headers, s.tls_ca, s.topic_map, s.cluster_id,
+                            s.updated_at::text AS stamp
+                       FROM outbox.sinks s WHERE s.enabled ORDER BY s.name) AS r",
+                None,
+                &[],
+            )?;
+            let mut sinks = Vec::new();
+            for row in rows {
+                let json = row.get::<String>(1)?.unwrap_or_default();
+                match serde_json::from_str::<SinkColumns>(&json) {
+                    Ok(columns) => sinks.extend(columns.into_row()),
+                    Err(e) => warning!("outbox_ext worker: unreadable sink row: {e}"),
+                }
+            }
+            Ok::<_, pgrx::spi::Error>(sinks)
+        })
+    })?
+    .map_err(|e| e.to_string())
+}
+
+/// The columns of outbox.sinks the worker uses, by name (intervals in seconds).
+#[derive(Deserialize)]
+struct SinkColumns {
+    name: String,
+    kind: String,
+    url: String,
+    format: Option<String>,
+    topics: Option<Vec<String>>,
+    aggregate_types: Option<Vec<String>>,
+    batch_size: i32,
+    concurrency: i32,
+    connect_timeout: f64,
+    request_timeout: f64,
+    secret: Option<String>,
+    http_headers: Option<BTreeMap<String, String>>,
+    tls_ca: Option<String>,
+    topic_map: Option<HashMap<String, String>>,
+    cluster_id: Option<String>,
+    stamp: String,
+}
+
+impl SinkColumns {
+    /// None for a kind the worker does not know (the table's trigger allows no other).
+    fn into_row(self) -> Option<SinkRow> {
+        let seconds = |s: f64| Duration::from_secs_f64(s.clamp(0.001, 86_400.0));
+        let config = Config {
+            kind: Kind::parse(&self.kind)?,
+            name: self.name,
+            url: self.url,
+            format: self.format.unwrap_or_default(),
+            topics: self.topics,
+            aggregate_types: self.aggregate_types,
+            batch_size: self.batch_size,
+            concurrency: self.concurrency.max(1) as usize,
+            connect_timeout: seconds(self.connect_timeout),
+            request_timeout: seconds(self.request_timeout),
+            secret: self.secret,
+            http_headers: self.http_headers.unwrap_or_default().into_iter().collect(),
+            tls_ca: self.tls_ca,
+            topic_map: self.topic_map.unwrap_or_default(),
+            cluster_id: self.cluster_id,
+        };
+        Some(SinkRow {
+            config,
+            stamp: self.stamp,
+        })
+    }
+}
+
+/// Takes back the leases a dead worker left on this sink's shards.
+pub fn take_back_leases(sink: &str) -> Result<i32, String> {
+    in_transaction(|| {
+        Spi::get_one_with_args::<i32>(
+            "SELECT outbox.release_owner($1, $2)",
+            &[sink.into(), OWNER.into()],
+        )
+    })?
+    .map(|n| n.unwrap_or(0))
+    .map_err(|e| e.to_string())
+}
+
+/// Claims the next batch (at most batch_size events) of one shard of the sink, or None when no
+/// shard has work.
+pub fn claim(config: &Config, batch_size: i32, lease: Duration) -> Result<Option<Batch>, String> {
+    in_transaction(|| {
+        // select, not update: pgrx's update takes an xid first, and a claim must come before
+        // its transaction's first write (see sql/claim.sql)
+        Spi::connect(|client| {
+            let rows = client.select(
+                "SELECT c.shard, c.epoch, c.id::text, c.topic, c.aggregate_type, c.aggregate_id,
+                        c.event_type, c.payload::text, c.headers::text,
+                        pg_catalog.to_json(c.created_at) OPERATOR(pg_catalog.#>>) '{}', c.attempt
+                   FROM outbox.claim($1, $2, pg_catalog.make_interval(secs => $3), $4) AS c",
+                None,
+                &[
+                    config.name.as_str().into(),
+                    batch_size.into(),
+                    lease.as_secs_f64().into(),
+                    OWNER.into(),
+                ],
+            )?;
+            let mut batch: Option<Batch> = None;
+            for row in rows {
+                let text = |i| row.get::<String>(i).ok().flatten();
+                let batch = batch.get_or_insert_with(|| Batch {
+                    sink: config.name.clone(),
+                    shard: row.get::<i32>(1).ok().flatten().unwrap_or(-1),
+                    epoch: row.get::<i64>(2).ok().flatten().unwrap_or(-1),
+                    events: Vec::new(),
+                });
+                batch.events.push(Event {
+                    id: text(3).unwrap_or_default(),
+                    topic: text(4),
+                    aggregate_type: text(5).unwrap_or_default(),
+                    aggregate_id: text(6).unwrap_or_default(),
+                    event_type: text(7).unwrap_or_default(),
+                    payload: text(8),
+                    headers: text(9),
+                    created_at: text(10).unwrap_or_default(),
+                    attempt: row.get::<i32>(11).ok().flatten().unwrap_or(1),
+                });
+            }
+            Ok::<_, pgrx::spi::Error>(batch)
+        })
+    })?
+    .map_err(|e| e.to_string())
+}
+
+/// What settling a batch did, for the sink's figures.
+#[derive(Default)]
+pub struct Settled {
+    pub delivered: usize,
+    pub failed: usize,
+    pub error: Option<String>,
+}
+
+/// Applies a finished batch's outcome in one transaction. A sink that was down gets the batch
+/// back (release) after `pause`; otherwise it is settled (outbox.settle).
+pub fn settle(batch: &Batch, outcome: &Outcome, pause: Duration) -> Result<Settled, String> {
+    in_transaction(|| {
+        Spi::connect_mut(|client| match outcome {
+            Outcome::SinkDown { error, .. } => {
+                client.update(
+                    "SELECT outbox.release($1, $2, $3, pg_catalog.make_interval(secs => $4))",
+                    None,
+                    &[
+                        batch.sink.as_str().into(),
+                        batch.shard.into(),
+                        batch.epoch.into(),
+                        pause.as_secs_f64().into(),
+                    ],
+                )?;
+                Ok(Settled {
+                    delivered: 0,
+                    failed: batch.events.len(),
+                    error: Some(error.clone()),
+                })
+            }
+            Outcome::Events(verdicts) => settle_events(client, batch, verdicts),
+        })
+    })?
+    .map_err(|e: pgrx::spi::Error| e.to_string())
+}
+
+/// Settles the batch with one outbox.settle call: the verdicts that are not deliveries are its
+/// failures (settle keeps a failed key's later events back, whatever their verdicts).
+fn settle_events(
+    client: &mut SpiClient,
+    batch: &Batch,
+    verdicts: &[Verdict],
+) -> Result<Settled, pgrx::spi::Error> {
+    let mut failures = Vec::new();
+    let mut error = None;
+    let mut delivered = 0;
+    for (event, verdict) in batch.events.iter().zip(verdicts) {
+        let (message, retry_after, last) = match verdict {
+            Verdict::Delivered => {
+                delivered += 1;
+                continue;
+            }
+            Verdict::Skipped => continue, // not this sink's: settled as delivered, not counted
+            Verdict::Retry { error, retry_after } => (error, *retry_after, false),
+            Verdict::Reject { error } => (error, None, true),
+        };
+        failures.push(serde_json::json!({
+            "id": event.id,
+            "error": message,
+            "retry_after": retry_after.map(|d| d.as_secs_f64()),
+            "final": last,
+        }));
+        error.get_or_insert_with(|| message.clone());
+    }
+    let kept = client
+        .update(
+            "SELECT outbox.settle($1, $2, $3, $4::jsonb)",
+            None,
+            &[
+                batch.sink.as_str().into(),
+                batch.shard.into(),
+                batch.epoch.into(),
+                Value::Array(failures).to_string().into(),
+            ],
+        )?
+        .first()
+        .get_one::<i32>()?
+        .unwrap_or(0) as usize;
+    Ok(Settled {
+        // never kept back: a sink sends no event of a key after one of it failed
+        delivered,
+        failed: kept,
+        error,
+    })
+}
+
+/// A sink's figures since the last flush.
+#[derive(Default)]
+pub struct Figures {
+    pub delivered: u64,
+    pub failed: u64,
+    pub per_second: f64,
+    pub error: Option<String>,
+}
+
+/// The transaction's start, as now() would give it.
+fn now() -> pgrx::datum::TimestampWithTimeZone {
+    // SAFETY: reads the current transaction's start timestamp.
+    let at = unsafe { pg_sys::GetCurrentTransactionStartTimestamp() };
+    pgrx::datum::TimestampWithTimeZone::try_from(at).unwrap_or_else(|_| {
+        pgrx::datum::TimestampWithTimeZone::try_from(0i64).expect("the epoch is a timestamp")
+    })
+}
+
+/// Adds the figures to outbox._sink_stats (one small row per sink).
+pub fn record_figures(figures: &HashMap<String, Figures>) -> Result<(), String> {
+    in_transaction(|| {
+        Spi::connect_mut(|client| {
+            for (sink, f) in figures {
+                client.update(
+                    "INSERT INTO outbox._sink_stats AS s
+                         (sink, delivered, failed, per_second, last_delivered_at, last_error, last_error_at)
+                     SELECT $1, $2, $3, $4, $5, $6, $7
+                      WHERE EXISTS (SELECT FROM outbox.sinks k WHERE k.name OPERATOR(pg_catalog.=) $1)
+                     ON CONFLICT (sink) DO UPDATE
+                        SET delivered = s.delivered OPERATOR(pg_catalog.+) EXCLUDED.delivered,
+                            failed = s.failed OPERATOR(pg_catalog.+) EXCLUDED.failed,
+                            per_second = EXCLUDED.per_second,
+                            last_delivered_at = coalesce(EXCLUDED.last_delivered_at, s.last_delivered_at),
+                            last_error = coalesce(EXCLUDED.last_error, s.last_error),
+                            last_error_at = coalesce(EXCLUDED.last_error_at, s.last_error_at),
+                            updated_at = pg_catalog.now()",
+                    None,
+                    &[
+                        sink.as_str().into(),
+                        (f.delivered as i64).into(),
+                        (f.failed as i64).into(),
+                        f.per_second.into(),
+                        (f.delivered > 0).then(now).into(),
+                        f.error.clone().into(),
+                        f.error.as_ref().map(|_| now()).into(),
+                    ],
+                )?;
+            }
+            Ok::<_, pgrx::spi::Error>(())
+        })
+    })?
+    .map_err(|e| e.to_string())
+}
