@@ -4,8 +4,8 @@
 //! Woken by its latch (emit's commit, signals), by a finished batch, or by the fallback poll
 //! (prepared transactions, parked keys falling due, a paused sink resuming).
 
-use super::queries::{self, Figures, SinkRow};
 use super::pool::{Done, Pool};
+use super::queries::{self, Figures, SinkRow};
 use super::report_activity;
 use crate::sinks::{Client, Outcome};
 use pgrx::bgworkers::BackgroundWorker;
@@ -48,6 +48,8 @@ pub struct Delivery {
     sinks: HashMap<String, Sink>,
     next_reload: Instant,
     next_flush: Instant,
+    /// Shutting down: batches in flight are settled, no more are claimed.
+    stopping: bool,
 }
 
 impl Delivery {
@@ -57,6 +59,7 @@ impl Delivery {
             sinks: HashMap::new(),
             next_reload: Instant::now(),
             next_flush: Instant::now() + FLUSH,
+            stopping: false,
         })
     }
 
@@ -118,6 +121,7 @@ impl Delivery {
     /// Stops claiming; gives the batches in flight a grace period to finish and be settled.
     pub fn shut_down(&mut self) {
         report_activity("stopping: settling batches in flight");
+        self.stopping = true;
         let end = Instant::now() + SHUTDOWN_GRACE;
         while self.pool.total_in_flight() > 0 && Instant::now() < end {
             unsafe {
@@ -208,11 +212,8 @@ impl Delivery {
             }
             sink.paused_until = None;
             let config = &sink.client.config;
-            // meant to outlast a batch's requests (a batch sent in many requests, e.g. format
-            // single, may take longer); a dead worker's leases are taken back at its restart
-            let lease = (config.request_timeout * 4).max(Duration::from_secs(300));
             while self.pool.in_flight(name) < config.concurrency {
-                match queries::claim(config, sink.batch_limit, lease) {
+                match queries::claim(config, sink.batch_limit, lease(config)) {
                     Ok(Some(batch)) => {
                         sink.batch_limit = batch_limit(config.batch_size, &batch.events);
                         self.pool.submit(Arc::clone(&sink.client), batch)
@@ -263,7 +264,32 @@ impl Delivery {
                 Duration::ZERO
             }
         };
-        match queries::settle(&done.batch, &done.outcome, pause) {
+        let result = match &done.outcome {
+            // keeping up: settle and claim the sink's next batch in one transaction
+            Outcome::Events(verdicts)
+                if !self.stopping
+                    && sink.paused_until.is_none_or(|t| t <= Instant::now())
+                    && self.pool.in_flight(&done.batch.sink) < sink.client.config.concurrency =>
+            {
+                let config = &sink.client.config;
+                queries::settle_and_claim(
+                    &done.batch,
+                    verdicts,
+                    config,
+                    sink.batch_limit,
+                    lease(config),
+                )
+                .map(|(settled, next)| {
+                    if let Some(next) = next {
+                        sink.batch_limit = batch_limit(config.batch_size, &next.events);
+                        self.pool.submit(Arc::clone(&sink.client), next);
+                    }
+                    settled
+                })
+            }
+            _ => queries::settle(&done.batch, &done.outcome, pause),
+        };
+        match result {
             Ok(settled) => {
                 sink.figures.delivered += settled.delivered as u64;
                 sink.figures.failed += settled.failed as u64;
@@ -335,4 +361,10 @@ fn note_error(name: &str, sink: &mut Sink, error: &str) {
         log!("outbox_ext: sink \"{name}\": {error}");
         sink.logged_error = Some((error.to_string(), now));
     }
+}
+
+/// A claim's lease: meant to outlast a batch's requests (a batch sent in many requests, e.g.
+/// format single, may take longer); a dead worker's leases are taken back at its restart.
+fn lease(config: &crate::sinks::Config) -> Duration {
+    (config.request_timeout * 4).max(Duration::from_secs(300))
 }

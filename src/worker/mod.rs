@@ -4,18 +4,18 @@
 //! starts one worker per database named in `outbox_ext.databases` and starts it again
 //! whenever it stops (killed, crashed, or its database appeared late). A worker waits quietly
 //! until CREATE EXTENSION has run in its database, then delivers events to the sinks of
-//! outbox.sinks (`delivery`) and runs outbox.maintain() every `outbox_ext.maintain_interval`.
+//! outbox.sinks (`dispatch`) and runs outbox.maintain() every `outbox_ext.maintain_interval`.
 //! It is woken at commit by emit (`wake`). Both reload their settings on SIGHUP and stop on
 //! SIGTERM. A failed statement is logged and retried; anything worse ends the worker with an
 //! ERROR in the log, and the launcher starts it again.
 
-mod deliver;
-mod delivery;
+mod dispatch;
 mod pool;
+mod queries;
 mod session;
 
 use crate::{gucs, wake};
-use delivery::Delivery;
+use dispatch::Delivery;
 use pgrx::bgworkers::{
     BackgroundWorker, BackgroundWorkerBuilder, BackgroundWorkerStatus, DynamicBackgroundWorker,
     SignalWakeFlags,
@@ -226,7 +226,7 @@ fn extension_installed() -> bool {
 
 /// A yes/no question to the database, in a transaction of its own; no answer is a no.
 fn ask(query: &'static str) -> bool {
-    deliver::in_transaction(|| Spi::get_one::<bool>(query))
+    session::in_transaction(|| Spi::get_one::<bool>(query))
         .ok()
         .and_then(Result::ok)
         .flatten()
@@ -239,7 +239,7 @@ fn maintain() {
         return; // a standby: partitions follow the primary's
     }
     report_activity("outbox.maintain()");
-    let actions = deliver::in_transaction(|| {
+    let actions = session::in_transaction(|| {
         Spi::connect_mut(|client| {
             client
                 .update(

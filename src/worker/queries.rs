@@ -10,12 +10,11 @@
 //! are computed here and bound as parameters instead.
 
 use super::pool::Batch;
-use crate::sinks::{Config, Event, Kind, Outcome, Verdict};
 use super::session::in_transaction;
+use crate::sinks::{Config, Event, Kind, Outcome, Verdict};
 use pgrx::prelude::*;
-use pgrx::spi::SpiClient;
-use serde_json::Value;
 use serde::Deserialize;
+use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
@@ -120,6 +119,11 @@ pub fn take_back_leases(sink: &str) -> Result<i32, String> {
     .map_err(|e| e.to_string())
 }
 
+/// The columns of a claimed event the worker reads (`read_batch` takes them in this order).
+const CLAIMED: &str = "c.shard, c.epoch, c.id::text, c.topic, c.aggregate_type, c.aggregate_id,
+     c.event_type, c.payload::text, c.headers::text,
+     pg_catalog.to_json(c.created_at) OPERATOR(pg_catalog.#>>) '{}', c.attempt";
+
 /// Claims the next batch (at most batch_size events) of one shard of the sink, or None when no
 /// shard has work.
 pub fn claim(config: &Config, batch_size: i32, lease: Duration) -> Result<Option<Batch>, String> {
@@ -128,10 +132,10 @@ pub fn claim(config: &Config, batch_size: i32, lease: Duration) -> Result<Option
         // its transaction's first write (see sql/claim.sql)
         Spi::connect(|client| {
             let rows = client.select(
-                "SELECT c.shard, c.epoch, c.id::text, c.topic, c.aggregate_type, c.aggregate_id,
-                        c.event_type, c.payload::text, c.headers::text,
-                        pg_catalog.to_json(c.created_at) OPERATOR(pg_catalog.#>>) '{}', c.attempt
-                   FROM outbox.claim($1, $2, pg_catalog.make_interval(secs => $3), $4) AS c",
+                &format!(
+                    "SELECT {CLAIMED}
+                       FROM outbox.claim($1, $2, pg_catalog.make_interval(secs => $3), $4) AS c"
+                ),
                 None,
                 &[
                     config.name.as_str().into(),
@@ -140,31 +144,71 @@ pub fn claim(config: &Config, batch_size: i32, lease: Duration) -> Result<Option
                     OWNER.into(),
                 ],
             )?;
-            let mut batch: Option<Batch> = None;
-            for row in rows {
-                let text = |i| row.get::<String>(i).ok().flatten();
-                let batch = batch.get_or_insert_with(|| Batch {
-                    sink: config.name.clone(),
-                    shard: row.get::<i32>(1).ok().flatten().unwrap_or(-1),
-                    epoch: row.get::<i64>(2).ok().flatten().unwrap_or(-1),
-                    events: Vec::new(),
-                });
-                batch.events.push(Event {
-                    id: text(3).unwrap_or_default(),
-                    topic: text(4),
-                    aggregate_type: text(5).unwrap_or_default(),
-                    aggregate_id: text(6).unwrap_or_default(),
-                    event_type: text(7).unwrap_or_default(),
-                    payload: text(8),
-                    headers: text(9),
-                    created_at: text(10).unwrap_or_default(),
-                    attempt: row.get::<i32>(11).ok().flatten().unwrap_or(1),
-                });
-            }
-            Ok::<_, pgrx::spi::Error>(batch)
+            Ok::<_, pgrx::spi::Error>(read_batch(&config.name, rows))
         })
     })?
     .map_err(|e| e.to_string())
+}
+
+/// Settles a finished batch and claims the sink's next one, in one call and one transaction
+/// (outbox.settle_and_claim): half the worker's transactions while a sink keeps up.
+pub fn settle_and_claim(
+    batch: &Batch,
+    verdicts: &[Verdict],
+    config: &Config,
+    batch_size: i32,
+    lease: Duration,
+) -> Result<(Settled, Option<Batch>), String> {
+    in_transaction(|| {
+        Spi::connect(|client| {
+            let (failures, settled) = failures(batch, verdicts);
+            let rows = client.select(
+                &format!(
+                    "SELECT {CLAIMED}
+                       FROM outbox.settle_and_claim($1, $2, $3, $4::jsonb, $5,
+                                                    pg_catalog.make_interval(secs => $6), $7) AS c"
+                ),
+                None,
+                &[
+                    batch.sink.as_str().into(),
+                    batch.shard.into(),
+                    batch.epoch.into(),
+                    failures.into(),
+                    batch_size.into(),
+                    lease.as_secs_f64().into(),
+                    OWNER.into(),
+                ],
+            )?;
+            Ok::<_, pgrx::spi::Error>((settled, read_batch(&config.name, rows)))
+        })
+    })?
+    .map_err(|e| e.to_string())
+}
+
+/// The claimed rows (columns as CLAIMED) as a batch, or None for no rows.
+fn read_batch(sink: &str, rows: pgrx::spi::SpiTupleTable) -> Option<Batch> {
+    let mut batch: Option<Batch> = None;
+    for row in rows {
+        let text = |i| row.get::<String>(i).ok().flatten();
+        let batch = batch.get_or_insert_with(|| Batch {
+            sink: sink.to_owned(),
+            shard: row.get::<i32>(1).ok().flatten().unwrap_or(-1),
+            epoch: row.get::<i64>(2).ok().flatten().unwrap_or(-1),
+            events: Vec::new(),
+        });
+        batch.events.push(Event {
+            id: text(3).unwrap_or_default(),
+            topic: text(4),
+            aggregate_type: text(5).unwrap_or_default(),
+            aggregate_id: text(6).unwrap_or_default(),
+            event_type: text(7).unwrap_or_default(),
+            payload: text(8),
+            headers: text(9),
+            created_at: text(10).unwrap_or_default(),
+            attempt: row.get::<i32>(11).ok().flatten().unwrap_or(1),
+        });
+    }
+    batch
 }
 
 /// What settling a batch did, for the sink's figures.
@@ -197,26 +241,35 @@ pub fn settle(batch: &Batch, outcome: &Outcome, pause: Duration) -> Result<Settl
                     error: Some(error.clone()),
                 })
             }
-            Outcome::Events(verdicts) => settle_events(client, batch, verdicts),
+            Outcome::Events(verdicts) => {
+                let (failures, settled) = failures(batch, verdicts);
+                client.update(
+                    "SELECT outbox.settle($1, $2, $3, $4::jsonb)",
+                    None,
+                    &[
+                        batch.sink.as_str().into(),
+                        batch.shard.into(),
+                        batch.epoch.into(),
+                        failures.into(),
+                    ],
+                )?;
+                Ok(settled)
+            }
         })
     })?
     .map_err(|e: pgrx::spi::Error| e.to_string())
 }
 
-/// Settles the batch with one outbox.settle call: the verdicts that are not deliveries are its
-/// failures (settle keeps a failed key's later events back, whatever their verdicts).
-fn settle_events(
-    client: &mut SpiClient,
-    batch: &Batch,
-    verdicts: &[Verdict],
-) -> Result<Settled, pgrx::spi::Error> {
+/// settle's failures (as JSON) from a batch's verdicts, with the figures they make. A sink
+/// sends no event of a key after one of it failed: its later events have failed verdicts too,
+/// which settle would keep back anyway.
+fn failures(batch: &Batch, verdicts: &[Verdict]) -> (String, Settled) {
     let mut failures = Vec::new();
-    let mut error = None;
-    let mut delivered = 0;
+    let mut settled = Settled::default();
     for (event, verdict) in batch.events.iter().zip(verdicts) {
         let (message, retry_after, last) = match verdict {
             Verdict::Delivered => {
-                delivered += 1;
+                settled.delivered += 1;
                 continue;
             }
             Verdict::Skipped => continue, // not this sink's: settled as delivered, not counted
@@ -229,28 +282,10 @@ fn settle_events(
             "retry_after": retry_after.map(|d| d.as_secs_f64()),
             "final": last,
         }));
-        error.get_or_insert_with(|| message.clone());
+        settled.error.get_or_insert_with(|| message.clone());
     }
-    let kept = client
-        .update(
-            "SELECT outbox.settle($1, $2, $3, $4::jsonb)",
-            None,
-            &[
-                batch.sink.as_str().into(),
-                batch.shard.into(),
-                batch.epoch.into(),
-                Value::Array(failures).to_string().into(),
-            ],
-        )?
-        .first()
-        .get_one::<i32>()?
-        .unwrap_or(0) as usize;
-    Ok(Settled {
-        // never kept back: a sink sends no event of a key after one of it failed
-        delivered,
-        failed: kept,
-        error,
-    })
+    settled.failed = failures.len();
+    (Value::Array(failures).to_string(), settled)
 }
 
 /// A sink's figures since the last flush.

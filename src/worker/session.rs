@@ -14,13 +14,14 @@
 //!   bootstrap superuser, runs no statement, and becomes the role for good: it sets
 //!   `session_authorization` (session_user, current_user and pg_stat_activity show the role).
 //! - On every major, each of the worker's transactions then runs as a security-restricted
-//!   operation (`restrict`, called by deliver::in_transaction), in which PostgreSQL refuses
+//!   operation (`restrict`, called by `in_transaction`), in which PostgreSQL refuses
 //!   `SET ROLE` and `SET SESSION AUTHORIZATION`: nothing running in the session can switch
 //!   back. (PostgreSQL allows that state only inside a transaction; no code of the worker's runs
 //!   between them.)
 
 use pgrx::prelude::*;
 use std::ffi::CString;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Set once the worker is its role: from then on its transactions are restricted.
@@ -72,7 +73,7 @@ fn connect_as(db: &CString, role: &CString) {
 fn connect_as(db: &CString, role: &CString) {
     unsafe { pg_sys::BackgroundWorkerInitializeConnection(db.as_ptr(), std::ptr::null(), 0) };
     // In a transaction: the setting's check looks the role up in the catalog.
-    super::deliver::in_transaction(|| unsafe {
+    in_transaction(|| unsafe {
         pg_sys::SetConfigOption(
             c"session_authorization".as_ptr(),
             role.as_ptr(),
@@ -85,11 +86,44 @@ fn connect_as(db: &CString, role: &CString) {
 }
 
 fn warn_if_superuser() {
-    let superuser = super::deliver::in_transaction(|| unsafe { pg_sys::superuser() });
+    let superuser = in_transaction(|| unsafe { pg_sys::superuser() });
     if superuser.unwrap_or(false) {
         warning!(
             "outbox_ext worker: outbox_ext.worker_role is a superuser; \
              it needs only what outbox_worker is granted"
         );
     }
+}
+
+/// Runs `f` in a transaction of its own; an ERROR rolls it back and comes back as Err, so a
+/// failed statement (a dropped sink, a lost lease) never takes the worker down.
+pub fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
+    unsafe {
+        pg_sys::SetCurrentStatementStartTimestamp(); // now() is the transaction's start
+        pg_sys::StartTransactionCommand();
+        restrict();
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+    }
+    let f = AssertUnwindSafe(f);
+    let result = PgTryBuilder::new(move || Ok(f()))
+        .catch_others(|caught| {
+            Err(match caught {
+                pg_sys::panic::CaughtError::PostgresError(e)
+                | pg_sys::panic::CaughtError::ErrorReport(e)
+                | pg_sys::panic::CaughtError::RustPanic { ereport: e, .. } => {
+                    e.message().to_string()
+                }
+            })
+        })
+        .execute();
+    unsafe {
+        if result.is_ok() {
+            pg_sys::PopActiveSnapshot();
+            unrestrict();
+            pg_sys::CommitTransactionCommand();
+        } else {
+            pg_sys::AbortCurrentTransaction();
+        }
+    }
+    result
 }
