@@ -50,15 +50,18 @@ write_outbox_relay() {
 
 # write_outbox_loop FILE BATCH: one relay step in one call: settle the batch the last step
 # claimed and claim the next (settle_and_claim), touching every payload; the first step of a
-# client, and one after an empty claim, only claims. Run with -D shard=-1 -D epoch=-1.
+# client, and one after an empty claim, only claims. Run with -D shard=-1 -D epoch=-1. A
+# client's last batch is left unsettled: outbox.release_owner('bench', 'bench-loop') gives it
+# back.
 write_outbox_loop() {
     printf '%s\n' \
         "\\if :shard < 0" \
         "SELECT coalesce(min(shard), -1) AS shard, coalesce(min(epoch), -1) AS epoch, count(*) AS n," \
-        "       sum(length(payload::text)) AS bytes FROM outbox.claim('bench', $2) \\gset" \
+        "       sum(length(payload::text)) AS bytes" \
+        "  FROM outbox.claim('bench', $2, '30 seconds', 'bench-loop') \\gset" \
         "\\else" \
         "SELECT coalesce(min(shard), -1) AS shard, coalesce(min(epoch), -1) AS epoch, count(*) AS n," \
         "       sum(length(payload::text)) AS bytes" \
-        "  FROM outbox.settle_and_claim('bench', :shard, :epoch, '[]', $2) \\gset" \
+        "  FROM outbox.settle_and_claim('bench', :shard, :epoch, '[]', $2, '30 seconds', 'bench-loop') \\gset" \
         "\\endif" > "$1"
 }

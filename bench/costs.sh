@@ -63,17 +63,20 @@ echo "SELECT count(*) FROM outbox.claim('bench', 100);" > "$WORK/empty.sql"   # 
 v[empty]=$(awk -v t="$(pgbench_run "$WORK/empty.sql" 1 -T 5)" 'BEGIN{printf "%.3f", 1000/t}')
 log "empty claim: ${v[empty]} ms"
 
-# partitions: 4 (today, two ahead, default) against one-minute partitions, 200 and 400
+# partitions: one-minute ones, 4 (this minute, two ahead, the default), then about 200 and 400
 parts() { sql_value "SELECT count(*) FROM outbox.partitions WHERE parent = 'outbox.events'::regclass"; }
-v[maintain_4]=$(ms "SELECT * FROM outbox.maintain()"); v[parts_4]=$(parts)
+ahead() {
+    sql -c "UPDATE outbox.partition_config SET width = '1 minute', ahead = $1 WHERE parent = 'outbox.events'::regclass" \
+        -c "SELECT count(*) FROM outbox.maintain()" >/dev/null
+}
+sql -c "TRUNCATE outbox.events" >/dev/null
+sql_value "SELECT format('DROP TABLE %s;', partition) FROM outbox.partitions
+            WHERE parent = 'outbox.events'::regclass AND NOT is_default" | sql >/dev/null
+ahead 2; v[parts_4]=$(parts); v[maintain_4]=$(ms "SELECT * FROM outbox.maintain()")
 fill "$SMALL"; v[claim_4]=$(drain "$SMALL")
-sql -c "UPDATE outbox.partition_config SET width = '1 minute', ahead = 199 WHERE parent = 'outbox.events'::regclass" \
-    -c "SELECT count(*) FROM outbox.maintain()" >/dev/null
-v[parts_200]=$(parts); fill "$SMALL"; v[claim_200]=$(drain "$SMALL")
+ahead 199; v[parts_200]=$(parts); fill "$SMALL"; v[claim_200]=$(drain "$SMALL")
 log "claim + settle with ${v[parts_4]} partitions: ${v[claim_4]} events/s, with ${v[parts_200]}: ${v[claim_200]}"
-sql -c "UPDATE outbox.partition_config SET ahead = 399 WHERE parent = 'outbox.events'::regclass" \
-    -c "SELECT count(*) FROM outbox.maintain()" >/dev/null
-v[parts_400]=$(parts); v[maintain_400]=$(ms "SELECT * FROM outbox.maintain()")
+ahead 399; v[parts_400]=$(parts); v[maintain_400]=$(ms "SELECT * FROM outbox.maintain()")
 log "maintain with nothing to do: ${v[maintain_4]} ms at ${v[parts_4]} partitions, ${v[maintain_400]} ms at ${v[parts_400]}"
 
 echo

@@ -657,6 +657,7 @@ DECLARE
     start  int := floor(random() * n)::int;
     free   record;
     cur    outbox._cursor_log;
+    next   outbox._cursor_log;
     fresh  boolean;
     got    bigint := 0;
 BEGIN
@@ -683,7 +684,16 @@ BEGIN
               FROM page p CROSS JOIN (SELECT count(*) FROM written) AS w  -- w: the row is written
              ORDER BY p.seq;
             GET DIAGNOSTICS got = ROW_COUNT;
-            EXIT WHEN got > 0 OR fresh;  -- a batch, or nothing new since the last window
+            EXIT WHEN got > 0;
+            IF fresh THEN
+                -- nothing new since the last window: record the empty window as read when
+                -- that raises the floor, so the next claim's probe starts above it
+                next := outbox._advance(cur, NULL, true);
+                IF outbox._pending_floor(next) > outbox._pending_floor(cur) THEN
+                    PERFORM outbox._append(next);
+                END IF;
+                EXIT;
+            END IF;
             cur := outbox._next_window(cur);
         END LOOP; END IF;
         EXIT WHEN got > 0;
@@ -882,18 +892,33 @@ $$;
 -- Record a key's failure, f being its first failed event in the batch. A head counts a failed
 -- attempt of its queue. An event of the window parks its key: it and the key's later events of
 -- the batch are queued, in order. Returns how many events of the batch this kept back.
+-- A failure of the key reported earlier for this batch (nack, reject) already queued or
+-- dead-lettered its events from some point on: reported again from there or after, nothing
+-- changes; from before it, the events in between would be acked unsent, so that is refused.
 CREATE OR REPLACE FUNCTION outbox._fail_key(c outbox.consumers, cur outbox._cursor_log,
                                             batch outbox.events[], f outbox._failure) RETURNS int
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    later  outbox.events[];
-    parked int;
+    later       outbox.events[];
+    parked      int;
+    key_events  uuid[];
+    failed_from bigint;
 BEGIN
     IF NOT f.head THEN
-        IF EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = c.id
-                      AND p.aggregate_id = f.aggregate_id AND p.nacked_epoch = cur.epoch) THEN
-            RETURN 0;  -- a nack of this batch failed the key already
+        key_events := ARRAY(SELECT b.id FROM unnest(batch) b WHERE b.aggregate_id = f.aggregate_id);
+        failed_from := least(
+            (SELECT min(q.seq) FROM outbox._parked_events q
+              WHERE q.consumer_id = c.id AND q.aggregate_id = f.aggregate_id AND q.id = ANY (key_events)),
+            (SELECT min(d.seq) FROM outbox.dead_letters d
+              WHERE d.consumer = c.name AND d.aggregate_id = f.aggregate_id AND d.event_id = ANY (key_events)));
+        IF f.seq < failed_from THEN
+            RAISE EXCEPTION 'event % comes before an event of its key already reported failed in this batch',
+                    f.event_id
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'Report a key''s failures in batch order, or all at once with outbox.settle.';
+        ELSIF failed_from IS NOT NULL THEN
+            RETURN 0;  -- the key failed in this batch already, from this event or before it
         END IF;
         INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
         VALUES (c.id, f.aggregate_id, cur.shard, now())
@@ -966,21 +991,25 @@ CREATE OR REPLACE FUNCTION outbox._deliver_rest(c outbox.consumers, cur outbox._
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    key text;
+    keys text[];
 BEGIN
     IF cardinality(cur.heads) > 0 THEN
-        FOR key IN
+        -- set-based (a batch may hold hundreds of heads): out of their queues, their keys'
+        -- next heads due at once, and the keys whose queues are now empty unparked
+        WITH delivered AS (
             DELETE FROM outbox._parked_events q
              USING outbox._parked p
              WHERE q.consumer_id = c.id AND q.id = ANY (cur.heads)
                AND p.consumer_id = q.consumer_id AND p.aggregate_id = q.aggregate_id
                AND p.nacked_epoch IS DISTINCT FROM cur.epoch
-            RETURNING q.aggregate_id
-        LOOP
-            UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
-             WHERE p.consumer_id = c.id AND p.aggregate_id = key;
-            PERFORM outbox._unpark_if_empty(c.id, key);
-        END LOOP;
+            RETURNING q.aggregate_id)
+        SELECT array_agg(d.aggregate_id) INTO keys FROM delivered d;
+        UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
+         WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (keys);
+        DELETE FROM outbox._parked p
+         WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (keys)
+           AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                            WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
     END IF;
     PERFORM outbox._append(outbox._advance(cur, cur.batch_end, cur.exhausted));
 END

@@ -32,7 +32,7 @@
 --            arguments.
 -- [worker]   The worker's session has search_path pg_catalog, pg_temp, and its statements
 --            name everything by schema, operators as OPERATOR(pg_catalog.x)
---            (src/worker/session.rs, deliver.rs, mod.rs).
+--            (src/worker/session.rs, queries.rs, mod.rs).
 -- Dynamic SQL quotes identifiers with %I or a regclass's text and values with %L.
 --
 -- Producers reach the event log only through the SECURITY DEFINER emit_many and the native

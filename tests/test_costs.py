@@ -40,7 +40,7 @@ def test_a_sessions_claims_stay_index_walks_as_cursor_history_grows(db):
     batch = relay.claim()
     relay.settle(batch[0].shard, batch[0].epoch)
     read = pages_read(db, "outbox._cursor_log") - before
-    assert read < 20, f"a claim and a settle read {read} of the cursor log's {size} pages"
+    assert read < 100, f"a claim and a settle read {read} of the cursor log's {size} pages (a few a shard: not its history)"
 
 
 def test_status_counts_exactly_up_to_a_thousand_per_shard_and_estimates_beyond(db):

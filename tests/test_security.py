@@ -22,7 +22,7 @@ from conftest import SECURITY_DB, TEMPLATE
 from sinks import Receiver, certificates, create_sink, wait_for
 
 # Operators and argument types the worker's and the API's SQL use (see the rules in
-# src/worker/deliver.rs and sql/grants.sql); a planted operator of exactly these types would
+# src/worker/queries.rs and sql/grants.sql); a planted operator of exactly these types would
 # beat pg_catalog's, which needs an implicit cast.
 OPERATORS = ["=", "<>", "<", "<=", ">", ">=", "+", "-", "*", "/", "%", "#>>"]
 TYPES = ["smallint", "integer", "bigint", "numeric", "double precision", "real", "text",

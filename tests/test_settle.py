@@ -292,3 +292,25 @@ def test_settle_and_claim_refuses_a_stale_batch_and_a_transaction_that_wrote(db,
     conn.execute("SELECT outbox.emit('order', 'other', 'e', '{}')")
     with pytest.raises(psycopg.errors.ActiveSqlTransaction):
         conn.execute("SELECT * FROM outbox.settle_and_claim('sink', 0, 1)")
+
+
+def test_a_failure_reported_before_one_already_recorded_is_refused_not_lost(db, relay):
+    a, = keys_in_shard(db, 5, 1)
+    batch, by_key = emit_batch(db, relay, {a: 3})
+    relay.nack(by_key[a][2], "third failed")           # reported first, as parallel sends come back
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as e:
+        relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(by_key[a][0], "first failed")])
+    assert e.value.diag.message_hint
+    # refused whole: the batch is still held, and reported in order it settles
+    relay.nack(by_key[a][2], "again: nothing changes")
+    assert parked(db) == {a: [2]}
+
+
+def test_a_rejected_event_listed_again_stays_dead(db, relay):
+    a, b = keys_in_shard(db, 7, 2)
+    batch, by_key = emit_batch(db, relay, {a: 1, b: 1})
+    db.execute("SELECT outbox.reject('sink', %s, %s, %s, 'HTTP 422')", (batch[0].shard, batch[0].epoch, by_key[a][0].id))
+    assert parked(db) == {}, "its only event is dead: the key moved on"
+    relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(by_key[a][0], "HTTP 422", final=True)])
+    assert dead(db) == [(a, 0, "HTTP 422")] and parked(db) == {}
+    assert relay.drain() == [], "not delivered again"

@@ -268,6 +268,7 @@ impl Delivery {
             // keeping up: settle and claim the sink's next batch in one transaction
             Outcome::Events(verdicts)
                 if !self.stopping
+                    && !BackgroundWorker::sigterm_received()
                     && sink.paused_until.is_none_or(|t| t <= Instant::now())
                     && self.pool.in_flight(&done.batch.sink) < sink.client.config.concurrency =>
             {
@@ -279,6 +280,8 @@ impl Delivery {
                     sink.batch_limit,
                     lease(config),
                 )
+                // its claim failing rolls its settle back: settle on its own then
+                .or_else(|_| queries::settle(&done.batch, &done.outcome, pause).map(|s| (s, None)))
                 .map(|(settled, next)| {
                     if let Some(next) = next {
                         sink.batch_limit = batch_limit(config.batch_size, &next.events);
