@@ -428,12 +428,22 @@ CREATE OR REPLACE FUNCTION outbox._pending(cur outbox._cursor_log, txid xid8, se
                      AND pg_catalog.pg_visible_in_snapshot(txid, cur.hi_snap)));
 -- Inside a window (after_seq set) every event up to after_seq that hi sees finished is
 -- delivered, so a pending one up to there is in progress at hi: above its hi floor.
+-- PL/pgSQL without a query, not SQL: its callers are PL/pgSQL, which would run a SQL
+-- function's body anew (about 30 µs) on every call.
 CREATE OR REPLACE FUNCTION outbox._pending_floor(cur outbox._cursor_log) RETURNS bigint
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE
-    RETURN least(cur.restored_seq,
-                 CASE WHEN cur.after_seq IS NULL
-                      THEN least(cur.lo_seq, (SELECT min(f) FROM pg_catalog.unnest(cur.lo_floors) AS f))
-                      ELSE least(cur.after_seq, (SELECT min(f) FROM pg_catalog.unnest(cur.hi_floors) AS f)) END);
+    LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+AS $$
+DECLARE
+    inside boolean := cur.after_seq IS NOT NULL;
+    low    bigint := CASE WHEN inside THEN cur.after_seq ELSE cur.lo_seq END;
+    f      bigint;
+BEGIN
+    FOREACH f IN ARRAY coalesce(CASE WHEN inside THEN cur.hi_floors ELSE cur.lo_floors END, '{}') LOOP
+        low := least(low, f);
+    END LOOP;
+    RETURN least(low, cur.restored_seq);
+END
+$$;
 
 -- Events of a shard in the cursor's window, after its position and up to seq upto, in seq
 -- order, at most lim (NULL: all). Both parts walk the (shard, seq, txid) index in order and
