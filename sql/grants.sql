@@ -89,7 +89,8 @@ GRANT EXECUTE ON FUNCTION
     outbox.drop_consumer(text),
     outbox.replay(text, text),
     outbox.create_sink(text, text, text, text[], text[], text, int, int, interval, interval, text,
-                       jsonb, text, jsonb, text, int, interval, interval, boolean),
+                       jsonb, text, jsonb, text, text, interval, text, text, int, interval,
+                       interval, boolean),
     outbox.drop_sink(text),
     outbox.maintain()
 TO outbox_admin;

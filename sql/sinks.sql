@@ -5,29 +5,38 @@
 --
 -- Rerunnable (upgrade scripts include it): tables only where missing, functions replaced.
 -- Name resolution (sql/grants.sql): the trigger function is [pinned], create_sink and drop_sink
--- are [caller], outbox._check_sink_settings is [native], _is_string_map is [parsed].
+-- are [caller], outbox._check_sink_settings is [native], _check_kafka_settings is [pinned],
+-- _is_string_map is [parsed].
 
 CREATE TABLE IF NOT EXISTS outbox.sinks (
     name            text        PRIMARY KEY REFERENCES outbox.consumers (name)
                                 ON UPDATE CASCADE ON DELETE CASCADE,
-    kind            text        NOT NULL,   -- webhook | kafka_rest_v2 | kafka_rest_v3
-    url             text        NOT NULL,   -- webhook: the endpoint; Kafka: the proxy's base URL
+    kind            text        NOT NULL,   -- webhook | kafka | kafka_rest_v2 | kafka_rest_v3
+    url             text        NOT NULL,   -- webhook: the endpoint; kafka: kafka(s)://brokers;
+                                            -- Kafka REST: the proxy's base URL
     enabled         boolean     NOT NULL DEFAULT true,
     topics          text[],                 -- routing: only events of these topics (NULL: all)
     aggregate_types text[],                 -- routing: only these aggregate types (NULL: all)
-    format          text,                   -- webhook: batch | single; v2: json | binary;
-                                            -- v3: json | binary | string (NULL: the first)
+    format          text,                   -- webhook: batch | single; kafka: outbox | debezium;
+                                            -- v2: json | binary; v3: json | binary | string
+                                            -- (NULL: the first)
     batch_size      int         NOT NULL DEFAULT 100,
     concurrency     int         NOT NULL DEFAULT 4,   -- shards (requests) in flight at once
     connect_timeout interval    NOT NULL DEFAULT '5 seconds',
     request_timeout interval    NOT NULL DEFAULT '30 seconds',
-    secret          text,                   -- webhook: Standard Webhooks key, whsec_<base64>
+    secret          text,                   -- webhook: Standard Webhooks key, whsec_<base64>;
+                                            -- kafka: the SASL password
     http_headers    jsonb,                  -- extra request headers, e.g. Authorization
     tls_ca          text,                   -- PEM CA certificates trusted instead of the public roots
     topic_map       jsonb,                  -- Kafka: {"event topic": "Kafka topic"}
     cluster_id      text,                   -- Kafka v3: the cluster in the URL path
-    updated_at      timestamptz NOT NULL DEFAULT now()
+    updated_at      timestamptz NOT NULL DEFAULT now(),
+    compression     text,                   -- kafka: none | gzip | snappy | lz4 | zstd (NULL: none)
+    linger          interval    NOT NULL DEFAULT '5 milliseconds', -- kafka: the producer's linger
+    sasl_mechanism  text,                   -- kafka: PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512
+    sasl_username   text                    -- kafka: with sasl_mechanism; the password is secret
 );
+
 COMMENT ON TABLE outbox.sinks IS
     'Where the background worker delivers events (admins only: holds secrets). Add one with '
     'outbox.create_sink; change it with UPDATE (applies within a second); retry policy is in '
@@ -53,7 +62,9 @@ CREATE OR REPLACE FUNCTION outbox._check_sink() RETURNS trigger
 AS $$
 DECLARE
     topic   text;
+    kafka   boolean := NEW.kind = 'kafka';
     formats text[] := CASE NEW.kind WHEN 'webhook' THEN ARRAY['batch', 'single']
+                                    WHEN 'kafka' THEN ARRAY['outbox', 'debezium']
                                     WHEN 'kafka_rest_v2' THEN ARRAY['json', 'binary']
                                     WHEN 'kafka_rest_v3' THEN ARRAY['json', 'binary', 'string'] END;
 BEGIN
@@ -64,6 +75,7 @@ BEGIN
     PERFORM outbox._not_null(NEW.connect_timeout IS NULL, 'connect_timeout', 'outbox.create_sink');
     PERFORM outbox._not_null(NEW.request_timeout IS NULL, 'request_timeout', 'outbox.create_sink');
     PERFORM outbox._not_null(NEW.enabled IS NULL, 'enabled', 'outbox.sinks');
+    PERFORM outbox._not_null(NEW.linger IS NULL, 'linger', 'outbox.create_sink');
     IF cardinality(NEW.topics) = 0 OR cardinality(NEW.aggregate_types) = 0
        OR array_position(NEW.topics, NULL) IS NOT NULL
        OR array_position(NEW.aggregate_types, NULL) IS NOT NULL THEN
@@ -73,7 +85,7 @@ BEGIN
     END IF;
     IF formats IS NULL THEN
         RAISE EXCEPTION 'unknown sink kind "%"', NEW.kind USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'kind is webhook, kafka_rest_v2 or kafka_rest_v3.';
+            HINT = 'kind is webhook, kafka, kafka_rest_v2 or kafka_rest_v3.';
     END IF;
     NEW.format := coalesce(NEW.format, formats[1]);
     IF NOT NEW.format = ANY (formats) THEN
@@ -81,7 +93,7 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = format('Use one of %s, or NULL for %s.', array_to_string(formats, ', '), formats[1]);
     END IF;
-    IF NEW.url !~ '^https?://[^/?#\s]+[^\s]*$' THEN
+    IF NOT kafka AND NEW.url !~ '^https?://[^/?#\s]+[^\s]*$' THEN
         RAISE EXCEPTION 'invalid sink URL "%"', NEW.url USING ERRCODE = 'invalid_parameter_value',
             HINT = 'Give an absolute http:// or https:// URL, e.g. https://hooks.example.com/outbox.';
     END IF;
@@ -105,8 +117,10 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Kafka topics are 1 to 249 of [A-Za-z0-9._-], not "." or "..".';
     END IF;
-    -- the secret's key, each header, each CA certificate: as the worker will use them (Rust)
-    PERFORM outbox._check_sink_settings(NEW.secret, NEW.http_headers, NEW.tls_ca);
+    PERFORM outbox._check_kafka_settings(NEW);
+    -- the URL of a kafka sink, the secret's key, each header, each CA certificate: as the
+    -- worker will use them (Rust)
+    PERFORM outbox._check_sink_settings(NEW.kind, NEW.url, NEW.secret, NEW.http_headers, NEW.tls_ca);
     -- topics filter event topics; a name that topic_map only renames to is a Kafka topic
     FOR topic IN SELECT t FROM unnest(NEW.topics) AS t
                   WHERE NEW.topic_map IS NOT NULL AND NOT NEW.topic_map ? t
@@ -121,6 +135,44 @@ BEGIN
     END IF;
     NEW.updated_at := now();
     RETURN NEW;
+END
+$$;
+
+-- The settings of the native Kafka producer, and those that apply only to it.
+CREATE OR REPLACE FUNCTION outbox._check_kafka_settings(s outbox.sinks) RETURNS void
+    LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT (s.linger >= '0' AND s.linger <= '1 minute') THEN
+        RAISE EXCEPTION 'linger % is out of range', s.linger USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'linger is 0 to 1 minute, e.g. ''5 ms''.';
+    END IF;
+    IF s.kind <> 'kafka' THEN
+        IF num_nonnulls(s.compression, s.sasl_mechanism, s.sasl_username) > 0 THEN
+            RAISE EXCEPTION 'compression, sasl_mechanism and sasl_username apply only to a kafka sink'
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = format('Leave them NULL for a %s sink.', s.kind);
+        END IF;
+        RETURN;
+    END IF;
+    IF num_nonnulls(s.http_headers, s.cluster_id) > 0 THEN
+        RAISE EXCEPTION 'http_headers and cluster_id do not apply to a kafka sink'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'A kafka sink speaks the Kafka protocol: leave them NULL (SASL takes credentials).';
+    END IF;
+    IF s.compression IS NOT NULL AND NOT s.compression = ANY ('{none,gzip,snappy,lz4,zstd}') THEN
+        RAISE EXCEPTION 'unknown compression "%"', s.compression USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'compression is none, gzip, snappy, lz4 or zstd.';
+    END IF;
+    IF s.sasl_mechanism IS NOT NULL AND NOT s.sasl_mechanism = ANY ('{PLAIN,SCRAM-SHA-256,SCRAM-SHA-512}') THEN
+        RAISE EXCEPTION 'unknown SASL mechanism "%"', s.sasl_mechanism USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'sasl_mechanism is PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512.';
+    END IF;
+    IF (s.sasl_mechanism IS NULL) <> (s.sasl_username IS NULL) OR (s.sasl_mechanism IS NULL) <> (s.secret IS NULL) THEN
+        RAISE EXCEPTION 'a kafka sink takes sasl_mechanism, sasl_username and secret (the password) together'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass all three for SASL, or none for a broker without authentication.';
+    END IF;
 END
 $$;
 
@@ -156,6 +208,10 @@ CREATE OR REPLACE FUNCTION outbox.create_sink(
     tls_ca          text     DEFAULT NULL,
     topic_map       jsonb    DEFAULT NULL,
     cluster_id      text     DEFAULT NULL,
+    compression     text     DEFAULT NULL,
+    linger          interval DEFAULT '5 milliseconds',
+    sasl_mechanism  text     DEFAULT NULL,
+    sasl_username   text     DEFAULT NULL,
     max_attempts    int      DEFAULT 10,
     backoff_base    interval DEFAULT '1 second',
     backoff_max     interval DEFAULT '10 minutes',
@@ -167,17 +223,21 @@ BEGIN
     PERFORM outbox.create_consumer(name, from_beginning, max_attempts, backoff_base, backoff_max);
     INSERT INTO outbox.sinks (name, kind, url, topics, aggregate_types, format, batch_size,
                               concurrency, connect_timeout, request_timeout, secret, http_headers,
-                              tls_ca, topic_map, cluster_id)
+                              tls_ca, topic_map, cluster_id, compression, linger, sasl_mechanism,
+                              sasl_username)
     VALUES (name, kind, url, topics, aggregate_types, format, batch_size, concurrency,
-            connect_timeout, request_timeout, secret, http_headers, tls_ca, topic_map, cluster_id);
+            connect_timeout, request_timeout, secret, http_headers, tls_ca, topic_map, cluster_id,
+            compression, linger, sasl_mechanism, sasl_username);
 END
 $$;
 COMMENT ON FUNCTION outbox.create_sink(text, text, text, text[], text[], text, int, int, interval,
-                                       interval, text, jsonb, text, jsonb, text, int, interval,
-                                       interval, boolean) IS
+                                       interval, text, jsonb, text, jsonb, text, text, interval,
+                                       text, text, int, interval, interval, boolean) IS
     'Adds a sink and its consumer; the worker delivers to it within a second, events committed '
-    'from now on (or all, from_beginning). Example: SELECT outbox.create_sink(''billing'', '
-    '''webhook'', ''https://billing.example.com/hooks'', secret => ''whsec_...'');';
+    'from now on (or all, from_beginning). Examples: SELECT outbox.create_sink(''billing'', '
+    '''webhook'', ''https://billing.example.com/hooks'', secret => ''whsec_...''); SELECT '
+    'outbox.create_sink(''stream'', ''kafka'', ''kafka://broker1:9092,broker2:9092'', '
+    'compression => ''lz4'');';
 
 CREATE OR REPLACE FUNCTION outbox.drop_sink(name text) RETURNS boolean
     LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp

@@ -103,6 +103,11 @@ impl OutboxError {
                   sets (Content-Type, Content-Length, Host, webhook-*, Idempotency-Key); \
                   values are one line."
                 .into(),
+            OutboxError::InvalidSinkSetting { setting: "url", .. } => {
+                "A kafka sink's URL is kafka://host:port[,host:port...] (plaintext) or \
+                 kafkas://... (TLS), e.g. 'kafka://broker1:9092,broker2:9092'."
+                    .into()
+            }
             OutboxError::InvalidSinkSetting { .. } => {
                 "Paste the CA certificate(s) in PEM form (-----BEGIN CERTIFICATE----- ...), \
                  or NULL to trust the public roots."

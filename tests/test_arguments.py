@@ -35,7 +35,8 @@ VALID = {
                            "aggregate_types": None, "format": None, "batch_size": 100, "concurrency": 4,
                            "connect_timeout": "5 s", "request_timeout": "30 s", "secret": None,
                            "http_headers": None, "tls_ca": None, "topic_map": None, "cluster_id": None,
-                           "max_attempts": 10, "backoff_base": "1 s", "backoff_max": "10 min",
+                           "compression": None, "linger": "5 ms", "sasl_mechanism": None,
+                           "sasl_username": None, "max_attempts": 10, "backoff_base": "1 s", "backoff_max": "10 min",
                            "from_beginning": False},
     "outbox.drop_sink": {"name": "c"},
     "outbox.maintain": {},
@@ -53,7 +54,8 @@ NULL_OK = {
     ("outbox.claim", "owner"), ("outbox.settle_and_claim", "owner"), ("outbox.nack", "error"), ("outbox.nack", "retry_after"),
     ("outbox.reject", "error"), ("outbox.replay", "aggregate_id"),
     *{("outbox.create_sink", a) for a in ("topics", "aggregate_types", "format", "secret", "http_headers",
-                                          "tls_ca", "topic_map", "cluster_id")},
+                                          "tls_ca", "topic_map", "cluster_id", "compression",
+                                          "sasl_mechanism", "sasl_username")},
     # immutable functions of a value: NULL in, NULL out
     ("outbox.shard_of", "aggregate_id"), ("inbox.uuid_at", "ts"), ("inbox.uuid_time", "id"),
 }
@@ -70,7 +72,7 @@ OUT_OF_RANGE = [
     ("outbox.create_sink", {"batch_size": 0}), ("outbox.create_sink", {"concurrency": 65}),
     ("outbox.create_sink", {"request_timeout": "0 s"}), ("outbox.create_sink", {"connect_timeout": "2 hours"}),
     ("outbox.create_sink", {"topics": []}), ("outbox.create_sink", {"kind": "smtp"}),
-    ("outbox.create_sink", {"url": "ftp://x"}),
+    ("outbox.create_sink", {"url": "ftp://x"}), ("outbox.create_sink", {"linger": "-1 s"}),
     ("inbox.claim", {"consumer": ""}),
 ]
 

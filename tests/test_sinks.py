@@ -3,6 +3,8 @@ to relays only through outbox.status."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import psycopg
 import pytest
 
@@ -15,7 +17,7 @@ def create(conn, **options):
 
 
 @pytest.mark.parametrize("bad,hint_has", [
-    ({"kind": "smtp"}, "webhook, kafka_rest_v2 or kafka_rest_v3"),
+    ({"kind": "smtp"}, "webhook, kafka, kafka_rest_v2 or kafka_rest_v3"),
     ({"url": "ftp://example.com"}, "http://"),
     ({"url": "http:/nohost"}, "http://"),
     ({"format": "avro"}, "batch, single"),
@@ -27,12 +29,34 @@ def create(conn, **options):
     ({"secret": "hunter2"}, "whsec_"),
     ({"http_headers": '{"X-N": 1}'}, "Authorization"),
     ({"tls_ca": "not a certificate"}, "PEM"),
+    ({"kind": "kafka", "url": "https://broker:9092"}, "kafka://host:port"),
+    ({"kind": "kafka", "url": "kafka://broker"}, "kafka://host:port"),
+    ({"kind": "kafka", "url": "kafka://a:9092,,b:9092"}, "kafka://host:port"),
+    ({"kind": "kafka", "url": "kafka://a:9092", "format": "json"}, "outbox, debezium"),
+    ({"kind": "kafka", "url": "kafka://a:9092", "compression": "brotli"}, "lz4 or zstd"),
+    ({"kind": "kafka", "url": "kafka://a:9092", "linger": "2 minutes"}, "0 to 1 minute"),
+    ({"kind": "kafka", "url": "kafka://a:9092", "sasl_mechanism": "GSSAPI", "sasl_username": "u",
+      "secret": "p"}, "SCRAM-SHA-512"),
+    ({"kind": "kafka", "url": "kafka://a:9092", "sasl_mechanism": "PLAIN"}, "all three"),
+    ({"kind": "kafka", "url": "kafka://a:9092", "secret": "p"}, "all three"),
+    ({"kind": "kafka", "url": "kafka://a:9092", "http_headers": '{"X-A": "b"}'}, "leave them NULL"),
+    ({"compression": "lz4"}, "NULL for a webhook sink"),
 ])
 def test_bad_sinks_are_refused_with_a_hint(db, bad, hint_has):
     with pytest.raises(psycopg.errors.InvalidParameterValue) as e:
         create(db, **{**GOOD, **bad})
     assert hint_has in (e.value.diag.message_hint or "")
     assert db.execute("SELECT count(*) FROM outbox.consumers").fetchone()[0] == 0, "nothing half-made"
+
+
+def test_a_kafka_sink_takes_brokers_sasl_and_producer_settings(db):
+    create(db, name="stream", kind="kafka", url="kafkas://b1.example:9093,b2.example:9093",
+           compression="zstd", linger="20 ms", sasl_mechanism="SCRAM-SHA-256", sasl_username="svc",
+           secret="s3cret", tls_ca=None)
+    row = db.execute("SELECT format, compression, linger, sasl_mechanism, sasl_username, secret "
+                     "FROM outbox.sinks").fetchone()
+    assert row == ("outbox", "zstd", timedelta(milliseconds=20),
+                   "SCRAM-SHA-256", "svc", "s3cret")
 
 
 def test_defaults_and_drop(db):

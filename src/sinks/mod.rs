@@ -1,6 +1,6 @@
 //! Sinks: where the background worker delivers events. A sink is a row of outbox.sinks
 //! (sql/sinks.sql); here it becomes a `Client` that turns a batch of events into HTTP requests
-//! and the replies into one verdict per event.
+//! or Kafka records, and the replies into one verdict per event.
 //!
 //! The delivery code in this module runs on the worker's delivery threads: no call into
 //! PostgreSQL, no pgrx, no panics on input (a panic is caught by the pool and counted as a
@@ -11,6 +11,7 @@ pgrx::extension_sql_file!("../../sql/sinks.sql", name = "sinks", requires = ["cl
 mod check;
 pub mod http;
 pub mod kafka;
+pub mod kafka_rest;
 pub mod webhook;
 
 use std::collections::HashMap;
@@ -37,6 +38,7 @@ pub struct Event {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     Webhook,
+    Kafka,
     KafkaRestV2,
     KafkaRestV3,
 }
@@ -45,6 +47,7 @@ impl Kind {
     pub fn parse(kind: &str) -> Option<Kind> {
         match kind {
             "webhook" => Some(Kind::Webhook),
+            "kafka" => Some(Kind::Kafka),
             "kafka_rest_v2" => Some(Kind::KafkaRestV2),
             "kafka_rest_v3" => Some(Kind::KafkaRestV3),
             _ => None,
@@ -57,8 +60,10 @@ impl Kind {
 pub struct Config {
     pub name: String,
     pub kind: Kind,
+    /// webhook and Kafka REST: http(s)://...; kafka: kafka(s)://host:port,...
     pub url: String,
-    /// webhook: "batch" or "single"; Kafka: "json", "binary" (or "string" in v3).
+    /// webhook: "batch" or "single"; kafka: "outbox" or "debezium"; Kafka REST: "json",
+    /// "binary" (or "string" in v3).
     pub format: String,
     pub topics: Option<Vec<String>>,
     pub aggregate_types: Option<Vec<String>>,
@@ -66,13 +71,20 @@ pub struct Config {
     pub concurrency: usize,
     pub connect_timeout: Duration,
     pub request_timeout: Duration,
-    /// Standard Webhooks signing secret ("whsec_" + base64).
+    /// webhook: Standard Webhooks signing secret ("whsec_" + base64); kafka: SASL password.
     pub secret: Option<String>,
     pub http_headers: Vec<(String, String)>,
     /// PEM certificates trusted instead of the public roots.
     pub tls_ca: Option<String>,
     pub topic_map: HashMap<String, String>,
     pub cluster_id: Option<String>,
+    /// kafka: the producer's compression codec (kafka::COMPRESSIONS; None: none).
+    pub compression: Option<String>,
+    /// kafka: how long the producer waits to fill a request.
+    pub linger: Duration,
+    /// kafka: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (None: no SASL).
+    pub sasl_mechanism: Option<String>,
+    pub sasl_username: Option<String>,
 }
 
 impl Config {
@@ -128,36 +140,46 @@ impl Outcome {
     }
 }
 
-/// A sink ready to deliver: its configuration and its HTTP agent (connection pool).
+/// A sink ready to deliver: its configuration and how it reaches the sink.
 pub struct Client {
     pub config: Config,
-    agent: ureq::Agent,
-    signer: Option<webhook::Signer>,
+    transport: Transport,
+}
+
+enum Transport {
+    /// An HTTP agent (connection pool), and the webhook signer if the sink has a secret.
+    Http {
+        agent: ureq::Agent,
+        signer: Option<webhook::Signer>,
+    },
+    Kafka(kafka::Producer),
 }
 
 impl Client {
     /// Fails on a configuration the worker cannot use (rows saved before 0.6.0 checked them).
     pub fn new(config: Config) -> Result<Client, String> {
-        let agent = http::agent(&config)?;
+        let transport = match config.kind {
+            Kind::Kafka => Transport::Kafka(kafka::Producer::new(&config)?),
+            _ => Transport::Http {
+                agent: http::agent(&config)?,
+                signer: match &config.secret {
+                    Some(secret) => Some(webhook::Signer::new(secret)?),
+                    None => None,
+                },
+            },
+        };
         for (name, value) in &config.http_headers {
             http::check_header(name, value)?; // a row saved before the check existed
         }
-        let signer = match &config.secret {
-            Some(secret) => Some(webhook::Signer::new(secret)?),
-            None => None,
-        };
-        Ok(Client {
-            config,
-            agent,
-            signer,
-        })
+        Ok(Client { config, transport })
     }
 
-    /// Delivers a batch: the events of the shard in one go, then the retried heads of parked
-    /// keys one request each, so that a poisoned event fails alone.
+    /// Delivers a batch: the events of the shard in one go, then (over HTTP) the retried heads
+    /// of parked keys one request each, so that a poisoned event fails alone. A Kafka producer
+    /// reports on each record by itself: its whole batch goes in one go.
     pub fn deliver(&self, events: &[Event]) -> Outcome {
-        let (first, retried): (Vec<usize>, Vec<usize>) =
-            (0..events.len()).partition(|&i| events[i].attempt <= 1);
+        let (first, retried): (Vec<usize>, Vec<usize>) = (0..events.len())
+            .partition(|&i| events[i].attempt <= 1 || self.config.kind == Kind::Kafka);
         let mut tally = Tally::new(events.len());
         let groups = std::iter::once(first).chain(retried.into_iter().map(|i| vec![i]));
         for group in groups {
@@ -179,9 +201,12 @@ impl Client {
     }
 
     fn send(&self, events: &[&Event]) -> Outcome {
-        match self.config.kind {
-            Kind::Webhook => webhook::send(&self.agent, &self.config, self.signer.as_ref(), events),
-            Kind::KafkaRestV2 | Kind::KafkaRestV3 => kafka::send(&self.agent, &self.config, events),
+        match (&self.transport, self.config.kind) {
+            (Transport::Kafka(producer), _) => producer.send(&self.config, events),
+            (Transport::Http { agent, signer }, Kind::Webhook) => {
+                webhook::send(agent, &self.config, signer.as_ref(), events)
+            }
+            (Transport::Http { agent, .. }, _) => kafka_rest::send(agent, &self.config, events),
         }
     }
 }

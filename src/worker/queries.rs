@@ -39,7 +39,8 @@ pub fn load_sinks() -> Result<Vec<SinkRow>, String> {
                             pg_catalog.date_part('epoch', s.connect_timeout) AS connect_timeout,
                             pg_catalog.date_part('epoch', s.request_timeout) AS request_timeout,
                             s.secret, s.http_headers, s.tls_ca, s.topic_map, s.cluster_id,
-                            s.updated_at::text AS stamp
+                            s.compression, pg_catalog.date_part('epoch', s.linger) AS linger,
+                            s.sasl_mechanism, s.sasl_username, s.updated_at::text AS stamp
                        FROM outbox.sinks s WHERE s.enabled ORDER BY s.name) AS r",
                 None,
                 &[],
@@ -76,6 +77,10 @@ struct SinkColumns {
     tls_ca: Option<String>,
     topic_map: Option<HashMap<String, String>>,
     cluster_id: Option<String>,
+    compression: Option<String>,
+    linger: f64,
+    sasl_mechanism: Option<String>,
+    sasl_username: Option<String>,
     stamp: String,
 }
 
@@ -99,6 +104,10 @@ impl SinkColumns {
             tls_ca: self.tls_ca,
             topic_map: self.topic_map.unwrap_or_default(),
             cluster_id: self.cluster_id,
+            compression: self.compression,
+            linger: Duration::from_secs_f64(self.linger.clamp(0.0, 60.0)),
+            sasl_mechanism: self.sasl_mechanism,
+            sasl_username: self.sasl_username,
         };
         Some(SinkRow {
             config,

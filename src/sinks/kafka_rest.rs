@@ -1,0 +1,441 @@
+//! Kafka REST sink (Confluent REST Proxy v2 and v3). The record key is the aggregate id's raw
+//! bytes (v2 sends key and value in the binary embedded format whatever the sink's format: in
+//! v2's json format a proxy would store the key JSON-encoded, quotes included, and partition
+//! it unlike any other producer of that key; v3 sends it as a STRING), so Kafka keeps each
+//! key's events in one partition, in order. A NULL payload is a Kafka null value (a
+//! tombstone). A topic derived from an aggregate type that is no valid Kafka topic name
+//! dead-letters the event. A proxy publishes the records of a
+//! request independently, so a record of a key must never share a request with a later record
+//! of the same key: if the first failed, the second would be published ahead of it. A batch is
+//! therefore sent per Kafka topic in rounds (round r holds the r-th event of every key: one
+//! request when keys are distinct), and a key that failed sits out the later rounds. Each record
+//! gets its own verdict from the reply, so a partial success acks what went through and retries
+//! (or dead-letters) only the rest, from the failed record of each key on.
+//!
+//! Tolerated variations: v2 replies with 200, 207 or 422 carrying per-record `offsets`;
+//! `error_code` null, 0 or missing on success; old codes 1 (fatal) / 2 (retriable), raw Kafka
+//! codes, 500xx codes; v3 reports streamed as concatenated JSON objects or sent as an array;
+//! throttling with an HTML body.
+
+use super::http::{self, judge_failure, Reply};
+use super::kafka::{kafka_topic, record_headers};
+use super::{held_back, push_json_str, split, Config, Event, Kind, Outcome, Tally, Verdict};
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine;
+use serde_json::Value;
+use std::collections::{HashMap, HashSet};
+
+pub fn send(agent: &ureq::Agent, config: &Config, events: &[&Event]) -> Outcome {
+    let mut tally = Tally::new(events.len());
+    let mut failed: HashSet<&str> = HashSet::new();
+    for (topic, indexes) in by_topic(config, events) {
+        if crate::emit::check_topic(&topic).is_err() {
+            let error = format!("Kafka REST: \"{topic}\" is not a valid Kafka topic name");
+            for &i in &indexes {
+                tally.set(
+                    i,
+                    Verdict::Reject {
+                        error: error.clone(),
+                    },
+                );
+                failed.insert(events[i].aggregate_id.as_str());
+            }
+            continue;
+        }
+        let part: Vec<&Event> = indexes.iter().map(|&i| events[i]).collect();
+        for round in rounds(&part) {
+            let (held, sent): (Vec<usize>, Vec<usize>) = round
+                .into_iter()
+                .map(|j| indexes[j])
+                .partition(|&i| failed.contains(events[i].aggregate_id.as_str()));
+            for i in held {
+                tally.set(i, held_back());
+            }
+            if sent.is_empty() {
+                continue;
+            }
+            let records: Vec<&Event> = sent.iter().map(|&i| events[i]).collect();
+            let outcome = post_records(agent, config, &topic, &records);
+            if let Outcome::Events(verdicts) = &outcome {
+                for (&i, v) in sent.iter().zip(verdicts) {
+                    if *v != Verdict::Delivered {
+                        failed.insert(events[i].aggregate_id.as_str());
+                    }
+                }
+            }
+            if let Some(stop) = tally.record(&sent, outcome) {
+                return stop;
+            }
+        }
+    }
+    tally.finish()
+}
+
+/// Indexes of the events per Kafka topic, topics in order of first appearance.
+fn by_topic(config: &Config, events: &[&Event]) -> Vec<(String, Vec<usize>)> {
+    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+    for (i, event) in events.iter().enumerate() {
+        let topic = kafka_topic(config, event);
+        match groups.iter_mut().find(|(t, _)| *t == topic) {
+            Some((_, indexes)) => indexes.push(i),
+            None => groups.push((topic, vec![i])),
+        }
+    }
+    groups
+}
+
+/// Indexes of the events in rounds: round r holds the r-th event of each key, in batch order.
+fn rounds(events: &[&Event]) -> Vec<Vec<usize>> {
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    let mut rounds: Vec<Vec<usize>> = Vec::new();
+    for (i, event) in events.iter().enumerate() {
+        let r = seen.entry(event.aggregate_id.as_str()).or_insert(0);
+        if *r == rounds.len() {
+            rounds.push(Vec::new());
+        }
+        rounds[*r].push(i);
+        *r += 1;
+    }
+    rounds
+}
+
+fn post_records(agent: &ureq::Agent, config: &Config, topic: &str, events: &[&Event]) -> Outcome {
+    let base = config.url.trim_end_matches('/');
+    let topic_path = escape_path(topic);
+    let (url, content_type, body) = match config.kind {
+        Kind::KafkaRestV3 => (
+            format!(
+                "{base}/v3/clusters/{}/topics/{topic_path}/records",
+                escape_path(config.cluster_id.as_deref().unwrap_or(""))
+            ),
+            "application/json",
+            v3_body(config, events),
+        ),
+        _ => (
+            format!("{base}/topics/{topic_path}"),
+            "application/vnd.kafka.binary.v2+json",
+            v2_body(events),
+        ),
+    };
+    let mut headers = vec![
+        ("content-type".to_string(), content_type.to_string()),
+        (
+            "accept".to_string(),
+            "application/vnd.kafka.v2+json, application/json".to_string(),
+        ),
+    ];
+    headers.extend(config.http_headers.iter().cloned());
+    let what = format!("Kafka REST (topic {topic})");
+    let (timeout, keep) = (config.request_timeout, http::MAX_REPLY_BYTES);
+    match http::post(agent, &url, &headers, body.as_bytes(), timeout, keep) {
+        Err(error) => Outcome::SinkDown {
+            error: format!("{what}: {error}"),
+            retry_after: None,
+        },
+        Ok(reply) if reply.status == 413 && events.len() > 1 => {
+            split(events, |half| post_records(agent, config, topic, half))
+        }
+        Ok(reply) => judge_reply(config.kind, &reply, &what, events.len()),
+    }
+}
+
+/// Per-record verdicts from a reply that carries them; request-level judgement otherwise.
+pub fn judge_reply(kind: Kind, reply: &Reply, what: &str, n: usize) -> Outcome {
+    let reports = match kind {
+        Kind::KafkaRestV3 if reply.status == 200 => v3_reports(&reply.body),
+        Kind::KafkaRestV3 => None,
+        _ if matches!(reply.status, 200..=299 | 422) => v2_reports(&reply.body),
+        _ => None,
+    };
+    match reports {
+        Some(reports) => Outcome::Events(
+            (0..n)
+                .map(|i| match reports.get(i) {
+                    Some(report) => record_verdict(report, what),
+                    None => Verdict::Retry {
+                        error: format!("{what}: no report for this record in the reply"),
+                        retry_after: None,
+                    },
+                })
+                .collect(),
+        ),
+        None if (200..300).contains(&reply.status) => Outcome::all(
+            n,
+            Verdict::Retry {
+                error: http::describe(reply, &format!("{what} (reply not understood)")),
+                retry_after: None,
+            },
+        ),
+        None => judge_failure(reply, what, n),
+    }
+}
+
+fn v2_reports(body: &str) -> Option<Vec<Value>> {
+    let reply: Value = serde_json::from_str(body).ok()?;
+    reply.get("offsets")?.as_array().cloned()
+}
+
+/// v3 streams one JSON object per record; some proxies send one array.
+fn v3_reports(body: &str) -> Option<Vec<Value>> {
+    let mut reports = Vec::new();
+    for value in serde_json::Deserializer::from_str(body).into_iter::<Value>() {
+        match value.ok()? {
+            Value::Array(items) => reports.extend(items),
+            item => reports.push(item),
+        }
+    }
+    Some(reports)
+}
+
+fn record_verdict(report: &Value, what: &str) -> Verdict {
+    let code = report.get("error_code").and_then(Value::as_i64);
+    let message = ["error", "message"]
+        .iter()
+        .find_map(|k| report.get(*k).and_then(Value::as_str))
+        .unwrap_or("");
+    match code {
+        None | Some(0) | Some(200) if message.is_empty() => Verdict::Delivered,
+        None | Some(0) | Some(200) => Verdict::Retry {
+            error: format!("{what}: {message}"),
+            retry_after: None,
+        },
+        Some(code) => {
+            let error = format!("{what}: error_code {code}: {message}");
+            if fatal(code) {
+                Verdict::Reject { error }
+            } else {
+                Verdict::Retry {
+                    error,
+                    retry_after: None,
+                }
+            }
+        }
+    }
+}
+
+/// Codes that will fail again however often they are retried. Unknown codes are retried:
+/// a key that keeps failing is dead-lettered after max_attempts anyway.
+fn fatal(code: i64) -> bool {
+    let http_class = if code >= 1000 { code / 100 } else { code };
+    match code {
+        1 | 50002 => true,         // old proxies' "non-retriable"; v2 fatal
+        10 | 17 | 18 | 87 => true, // Kafka: too large, invalid topic, record invalid
+        _ => (400..500).contains(&http_class) && !matches!(http_class, 408 | 429),
+    }
+}
+
+/// v2 records in the binary embedded format: the key's and the payload's bytes (the payload
+/// as its JSON text), base64; a NULL payload as a null value.
+fn v2_body(events: &[&Event]) -> String {
+    let mut out = String::from("{\"records\":[");
+    for (i, e) in events.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str("{\"key\":");
+        push_json_str(&mut out, &BASE64.encode(&e.aggregate_id));
+        out.push_str(",\"value\":");
+        match &e.payload {
+            Some(payload) => push_json_str(&mut out, &BASE64.encode(payload)),
+            None => out.push_str("null"),
+        }
+        out.push('}');
+    }
+    out.push_str("]}");
+    out
+}
+
+/// Records as concatenated JSON objects, one per line (the v3 streaming form).
+fn v3_body(config: &Config, events: &[&Event]) -> String {
+    let mut out = String::new();
+    for e in events {
+        out.push_str("{\"key\":{\"type\":\"STRING\",\"data\":");
+        push_json_str(&mut out, &e.aggregate_id);
+        out.push('}');
+        // no value at all: a null value (a tombstone)
+        match (e.payload.as_deref(), config.format.as_str()) {
+            (None, _) => {}
+            (Some(payload), "binary") => {
+                out.push_str(",\"value\":{\"type\":\"BINARY\",\"data\":");
+                push_json_str(&mut out, &BASE64.encode(payload));
+                out.push('}');
+            }
+            (Some(payload), "string") => {
+                out.push_str(",\"value\":{\"type\":\"STRING\",\"data\":");
+                push_json_str(&mut out, payload);
+                out.push('}');
+            }
+            (Some(payload), _) => {
+                out.push_str(",\"value\":{\"type\":\"JSON\",\"data\":");
+                out.push_str(payload);
+                out.push('}');
+            }
+        }
+        out.push_str(",\"headers\":[");
+        for (i, (name, value)) in record_headers(config, e).iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str("{\"name\":");
+            push_json_str(&mut out, name);
+            out.push_str(",\"value\":");
+            push_json_str(&mut out, &BASE64.encode(value));
+            out.push('}');
+        }
+        out.push_str("]}\n");
+    }
+    out
+}
+
+/// Percent-encodes what is not a Kafka topic character.
+fn escape_path(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_event;
+    use super::*;
+
+    fn reply(status: u16, body: &str) -> Reply {
+        Reply {
+            status,
+            retry_after: None,
+            body: body.into(),
+        }
+    }
+
+    fn kinds(outcome: Outcome) -> Vec<&'static str> {
+        match outcome {
+            Outcome::SinkDown { .. } => vec!["down"],
+            Outcome::Events(vs) => vs
+                .iter()
+                .map(|v| match v {
+                    Verdict::Delivered | Verdict::Skipped => "ok",
+                    Verdict::Retry { .. } => "retry",
+                    Verdict::Reject { .. } => "reject",
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn v2_per_record_results_in_their_variations() {
+        let confluent = r#"{"key_schema_id":null,"value_schema_id":null,"offsets":[
+            {"partition":0,"offset":1,"error_code":null,"error":null},
+            {"partition":0,"offset":null,"error_code":50003,"error":"retriable"},
+            {"partition":1,"offset":null,"error_code":50002,"error":"too large"}]}"#;
+        let v2 = Kind::KafkaRestV2;
+        assert_eq!(
+            kinds(judge_reply(v2, &reply(200, confluent), "k", 3)),
+            ["ok", "retry", "reject"]
+        );
+        // whole request 422 with old codes 1 (fatal) / 2 (retriable); success without fields
+        let old = r#"{"offsets":[{"partition":0,"offset":4},{"error_code":2,"error":"x"},{"error_code":1,"error":"y"}]}"#;
+        assert_eq!(
+            kinds(judge_reply(v2, &reply(422, old), "k", 3)),
+            ["ok", "retry", "reject"]
+        );
+        // fewer offsets than records: the rest is retried, never assumed delivered
+        assert_eq!(
+            kinds(judge_reply(
+                v2,
+                &reply(200, r#"{"offsets":[{"offset":1}]}"#),
+                "k",
+                2
+            )),
+            ["ok", "retry"]
+        );
+        assert_eq!(
+            kinds(judge_reply(
+                v2,
+                &reply(404, r#"{"error_code":40401}"#),
+                "k",
+                2
+            )),
+            ["reject", "reject"]
+        );
+        assert_eq!(
+            kinds(judge_reply(v2, &reply(200, "<html>"), "k", 1)),
+            ["retry"]
+        );
+    }
+
+    #[test]
+    fn v3_streamed_reports() {
+        let v3 = Kind::KafkaRestV3;
+        let body = r#"{"error_code":200,"topic_name":"t","partition_id":0,"offset":3}
+            {"error_code":429,"message":"slow down"}{"error_code":40403,"message":"nope"}"#;
+        assert_eq!(
+            kinds(judge_reply(v3, &reply(200, body), "k", 3)),
+            ["ok", "retry", "reject"]
+        );
+        let array = r#"[{"error_code":200},{"error_code":50003,"message":"m"}]"#;
+        assert_eq!(
+            kinds(judge_reply(v3, &reply(200, array), "k", 2)),
+            ["ok", "retry"]
+        );
+        assert_eq!(
+            kinds(judge_reply(
+                v3,
+                &reply(429, "<html>throttled</html>"),
+                "k",
+                2
+            )),
+            ["down"]
+        );
+    }
+
+    #[test]
+    fn a_key_never_shares_a_request_with_its_own_later_events() {
+        let keys = ["a", "b", "a", "c", "a", "b"];
+        let events: Vec<Event> = keys.iter().map(|k| test_event(k)).collect();
+        let refs: Vec<&Event> = events.iter().collect();
+        assert_eq!(rounds(&refs), vec![vec![0, 1, 3], vec![2, 5], vec![4]]);
+    }
+
+    #[test]
+    fn v3_body_has_key_value_and_headers() {
+        let e = Event {
+            id: "i1".into(),
+            topic: Some("orders".into()),
+            event_type: "created".into(),
+            payload: Some("{\"n\":1}".into()),
+            headers: Some("{\"trace\":\"t1\"}".into()),
+            ..test_event("42")
+        };
+        let config = Config {
+            name: "k".into(),
+            kind: Kind::KafkaRestV3,
+            url: "http://x".into(),
+            format: "json".into(),
+            topics: None,
+            aggregate_types: None,
+            batch_size: 1,
+            concurrency: 1,
+            connect_timeout: std::time::Duration::from_secs(1),
+            request_timeout: std::time::Duration::from_secs(1),
+            secret: None,
+            http_headers: vec![],
+            tls_ca: None,
+            topic_map: [("orders".to_string(), "kafka.orders".to_string())].into(),
+            cluster_id: Some("c1".into()),
+            compression: None,
+            linger: std::time::Duration::ZERO,
+            sasl_mechanism: None,
+            sasl_username: None,
+        };
+        assert_eq!(kafka_topic(&config, &e), "kafka.orders");
+        let record: Value = serde_json::from_str(v3_body(&config, &[&e]).trim()).unwrap();
+        assert_eq!(record["key"]["data"], "42");
+        assert_eq!(record["value"]["data"]["n"], 1);
+        assert_eq!(record["headers"][0]["name"], "trace");
+        assert_eq!(record["headers"][0]["value"], BASE64.encode("t1"));
+        assert_eq!(escape_path("a b/c"), "a%20b%2Fc");
+    }
+}
