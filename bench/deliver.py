@@ -6,10 +6,14 @@ serves database "bench"). Prints, each against a baseline measured in the same r
    (b) a hand-rolled relay (4 threads: SELECT ... FOR UPDATE SKIP LOCKED, POST, DELETE);
 2. commit-to-sink latency p50/p99 at a fixed 1,000 events/s, against a hand-rolled relay
    polling a plain table every 100 ms;
-3. the worker's private RSS while it drains a 1M-event backlog;
-4. throughput through the Kafka path (REST front over Tansu), against the front's own ceiling
-   (last: the Kafka client's threads linger in this process and disturb latency figures).
-Usage: deliver.py PORT EVENTS BACKLOG"""
+3. the worker's private RSS while it drains a 1M-event backlog (webhook: rss; kafka: rss_kafka);
+4. throughput through the Kafka REST path (REST front over Tansu), against the front's own
+   ceiling; then the native Kafka sink into the same broker, with 100,000 keys and with 1,000
+   hot keys, against a plain confluent-kafka producer sending the same records (the ceiling)
+   and against the REST path's hot-key rate; and its commit-to-broker latency at 1,000
+   events/s (last: the Kafka client's threads linger in this process and disturb the HTTP
+   latency figures).
+Usage: deliver.py PORT EVENTS BACKLOG [steps: throughput latency rss kafka rss_kafka]"""
 
 from __future__ import annotations
 
@@ -165,9 +169,10 @@ def throughput(conn) -> None:
 
 
 def kafka(conn) -> None:
-    """Through the Kafka path. A batch goes in rounds (one event per key per request, see
-    src/sinks/kafka.rs), so the number of distinct keys in a batch matters: measured with
-    many keys (the usual case: one aggregate, a few events) and with 1,000 hot keys."""
+    """Through the Kafka REST path, then the native sink. A REST batch goes in rounds (one
+    event per key per request, see src/sinks/kafka_rest.rs), so the number of distinct keys in
+    a batch matters: measured with many keys (the usual case: one aggregate, a few events) and
+    with 1,000 hot keys."""
     tansu = Tansu()
     tansu.create_topic("bench", partitions=4)
     front = KafkaRestFront(tansu, {"bench"})
@@ -188,11 +193,150 @@ def kafka(conn) -> None:
     top = ceiling(front.url + "/topics/bench", n, 500, {"content-type": "application/vnd.kafka.json.v2+json"},
                   lambda _n: body)
     front.close()
-    tansu.close()
     print(f"Kafka REST v2 (REST front in Python over Tansu), {n:,} events, batches of 500:")
     print(f"  front ceiling            {top:>10,.0f} events/s   (500 records per request, no database)")
     for keys, rate in results.items():
         print(f"  outbox_ext, {keys:>7,} keys  {rate:>10,.0f} events/s   worker/ceiling  {rate / top:.2f}x")
+    sys.stdout.flush()
+    kafka_native(conn, tansu, rest_hot=results[1000])
+    kafka_latency(conn, tansu)
+    tansu.close()
+
+
+def kafka_sink(conn, name: str, bootstrap: str, batch_size: int = 1000) -> None:
+    """A native Kafka sink, created disabled."""
+    conn.execute("SELECT outbox.create_sink(%s, 'kafka', %s, batch_size => %s, concurrency => 4)",
+                 (name, f"kafka://{bootstrap}", batch_size))
+    conn.execute("UPDATE outbox.sinks SET enabled = false WHERE name = %s", (name,))
+
+
+def left(conn, sink: str) -> int:
+    """Events the sink has still to deliver (outbox.status: exact once under 1,000 a shard)."""
+    return conn.execute("SELECT pending FROM outbox.status WHERE consumer = %s", (sink,)).fetchone()[0]
+
+
+def settled(conn, sink: str, n: int) -> dict:
+    """Waits until the sink has delivered its n-event backlog (each record acked by the broker,
+    acks=all and settled); the first time progress showed and the time none was left."""
+    first = None
+    while (pending := left(conn, sink)) > 0:
+        if first is None and pending < n:
+            first = time.time()
+        time.sleep(0.05)   # status costs a few ms: polled faster, it would slow the drain
+    return {"first": first or time.time(), "last": time.time()}
+
+
+def producer_ceiling(bootstrap: str, topic: str, n: int, keys: int) -> float:
+    """events/s of a plain confluent-kafka producer sending the same records (key, JSON value,
+    two headers) with the same guarantees (idempotent, acks=all, murmur2_random)."""
+    from confluent_kafka import Producer
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all",
+                         "partitioner": "murmur2_random", "linger.ms": 5,
+                         "queue.buffering.max.messages": 1_000_000})
+    records = [(str(i % keys).encode(), json.dumps({"customer": f"c{i}", "total": i}).encode())
+               for i in range(n)]
+    headers = [("outbox-id", b"0190f3c2-7d4e-7c4a-9d5e-3f1a2b3c4d5e"), ("outbox-event-type", b"order.created")]
+    t0 = time.monotonic()
+    for key, value in records:
+        producer.produce(topic, key=key, value=value, headers=headers)
+        producer.poll(0)
+    assert producer.flush(120) == 0
+    return n / (time.monotonic() - t0)
+
+
+def kafka_native(conn, tansu, rest_hot: float) -> None:
+    tansu.create_topic("native", partitions=4)
+    results = {}
+    for keys, batch in ((100_000, 1000), (1000, 1000), (100_000, 5000), (1000, 5000)):
+        sink = f"native{keys}_{batch}"
+        kafka_sink(conn, sink, tansu.bootstrap, batch)
+        fill(conn, EVENTS, topic="native", keys=keys)
+        results[keys, batch] = drain(conn, sink, lambda n, s=sink: settled(conn, s, n), EVENTS)
+        conn.execute("SELECT outbox.drop_sink(%s)", (sink,))
+    top = producer_ceiling(tansu.bootstrap, "native", EVENTS, 100_000)
+    print(f"Kafka native (librdkafka into Tansu), {EVENTS:,} events, 4 batches in flight:")
+    print(f"  plain producer ceiling   {top:>10,.0f} events/s   (confluent-kafka, same records, no database)")
+    for (keys, batch), rate in results.items():
+        print(f"  outbox_ext, {keys:>7,} keys, batches of {batch:,}  {rate:>10,.0f} events/s   "
+              f"worker/ceiling  {rate / top:.2f}x")
+    for batch in (1000, 5000):
+        print(f"  batches of {batch:,}: hot keys / 100,000 keys  "
+              f"{results[1000, batch] / results[100_000, batch]:.2f}x;   "
+              f"hot keys native / REST  {results[1000, batch] / rest_hot:.1f}x")
+
+
+def kafka_latency(conn, tansu) -> None:
+    """Commit to broker, as a consumer tailing the topic sees each event id arrive; against a
+    plain producer sending at the same pace into the same broker (its send to that arrival)."""
+    from confluent_kafka import Producer
+    rate, seconds = 1000, 10
+    tansu.create_topic("lat", partitions=4)
+    conn.execute("SELECT outbox.create_sink('kafka_lat', 'kafka', %s)", (f"kafka://{tansu.bootstrap}",))
+    time.sleep(1.5)
+    # the sink's producer starts with its first batch (about 0.5 s to get its producer id)
+    conn.execute("SELECT outbox.emit('order', 'warm', 'order.created', '{}', NULL, 'lat')")
+    while left(conn, "kafka_lat"):
+        time.sleep(0.05)
+    with Tail(tansu, "lat") as tail:
+        committed = paced(rate, seconds, lambda i: conn.execute(
+            "SELECT outbox.emit('order', %s, 'order.created', '{\"n\": 1}', NULL, 'lat')::text",
+            (str(i % 100),)).fetchone()[0])
+        ours = tail.percentiles(committed)
+    conn.execute("SELECT outbox.drop_sink('kafka_lat')")
+    tansu.create_topic("lat_plain", partitions=4)
+    producer = Producer({"bootstrap.servers": tansu.bootstrap, "enable.idempotence": True, "acks": "all",
+                         "partitioner": "murmur2_random", "linger.ms": 5})
+
+    producer.produce("lat_plain", key=b"warm", value=b"{}", headers=[("outbox-id", b"warm")])  # as above
+    producer.flush(10)
+
+    def send(i):
+        producer.produce("lat_plain", key=str(i % 100).encode(), value=b'{"n": 1}',
+                         headers=[("outbox-id", f"p{i}".encode())])
+        producer.poll(0)
+        return f"p{i}"
+    with Tail(tansu, "lat_plain") as tail:
+        theirs = tail.percentiles(paced(rate, seconds, send))
+    producer.flush(10)
+    print(f"Kafka native commit-to-broker latency at {rate:,} events/s for {seconds} s (as a consumer sees it):")
+    print(f"  outbox_ext worker        p50 {ours[0]:6.1f} ms   p99 {ours[1]:6.1f} ms   ({ours[2]:,} events)")
+    print(f"  plain producer           p50 {theirs[0]:6.1f} ms   p99 {theirs[1]:6.1f} ms   "
+          f"(send to arrival: the broker's and consumer's share)")
+
+
+class Tail:
+    """A consumer thread noting when each record (by its outbox-id header) arrives."""
+
+    def __init__(self, tansu, topic: str):
+        self.tansu, self.topic, self.arrivals, self.stop = tansu, topic, {}, threading.Event()
+        self.thread = threading.Thread(target=self.run)
+
+    def run(self):
+        from confluent_kafka import Consumer, TopicPartition
+        consumer = Consumer({"bootstrap.servers": self.tansu.bootstrap, "group.id": self.topic,
+                             "fetch.wait.max.ms": 5, "fetch.min.bytes": 1})
+        consumer.assign([TopicPartition(self.topic, p, 0) for p in range(4)])
+        while not self.stop.is_set():
+            for m in consumer.consume(1000, 0.05):
+                if not m.error():
+                    self.arrivals[dict(m.headers())["outbox-id"].decode()] = time.time()
+        consumer.close()
+
+    def __enter__(self):
+        self.thread.start()
+        time.sleep(1)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+    def percentiles(self, sent: dict[str, float]) -> tuple[float, float, int]:
+        deadline = time.monotonic() + 30
+        while len(self.arrivals) < len(sent) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ms = sorted((self.arrivals[i] - t) * 1000 for i, t in sent.items() if i in self.arrivals)
+        return statistics.median(ms), ms[max(0, int(len(ms) * 0.99) - 1)], len(ms)
 
 
 def _wait_produced(front, n):
@@ -268,7 +412,22 @@ def rss(conn) -> None:
     conn.execute("SELECT outbox.create_sink('rss', 'webhook', %s, batch_size => 1000, concurrency => 4)",
                  (receiver.url,))
     conn.execute("UPDATE outbox.sinks SET enabled = false WHERE name = 'rss'")
-    fill(conn, BACKLOG)
+    memory_while_draining(conn, "rss", lambda: receiver.count, "webhook")
+    receiver.close()
+
+
+def rss_kafka(conn) -> None:
+    tansu = Tansu()
+    tansu.create_topic("rss", partitions=4)
+    kafka_sink(conn, "rss", tansu.bootstrap)
+    memory_while_draining(conn, "rss", lambda: BACKLOG - left(conn, "rss"), "native Kafka")
+    tansu.close()
+
+
+def memory_while_draining(conn, sink: str, count, what: str) -> None:
+    """Fills a backlog for the (disabled) sink, enables it, and samples the worker's memory
+    until count() reaches the backlog."""
+    fill(conn, BACKLOG, topic="rss" if what != "webhook" else None)
     pid = conn.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_ext worker'").fetchone()[0]
 
     def kb():
@@ -277,17 +436,17 @@ def rss(conn) -> None:
             if line.startswith("RssAnon"):
                 return int(line.split()[1])
     before, samples = kb(), []
-    conn.execute("UPDATE outbox.sinks SET enabled = true WHERE name = 'rss'")
+    conn.execute("UPDATE outbox.sinks SET enabled = true WHERE name = %s", (sink,))
     t0 = time.monotonic()
-    while receiver.count < BACKLOG and time.monotonic() - t0 < 900:
-        samples.append((receiver.count, kb()))
+    while (done := count()) < BACKLOG and time.monotonic() - t0 < 900:
+        samples.append((done, kb()))
         time.sleep(0.5)
     took = time.monotonic() - t0
-    conn.execute("SELECT outbox.drop_sink('rss')")
-    receiver.close()
+    conn.execute("SELECT outbox.drop_sink(%s)", (sink,))
     quarter = [s[1] for s in samples if s[0] < BACKLOG / 4]
     last = [s[1] for s in samples if s[0] >= 3 * BACKLOG / 4]
-    print(f"Worker private RSS (RssAnon) draining a {BACKLOG:,}-event backlog ({BACKLOG / took:,.0f} events/s):")
+    print(f"Worker private RSS (RssAnon), {what} sink, draining a {BACKLOG:,}-event backlog "
+          f"({BACKLOG / took:,.0f} events/s):")
     print(f"  before {before / 1024:.1f} MB, peak {max(s[1] for s in samples) / 1024:.1f} MB, "
           f"first quarter max {max(quarter or [0]) / 1024:.1f} MB, last quarter max {max(last or [0]) / 1024:.1f} MB")
 
@@ -297,6 +456,6 @@ if __name__ == "__main__":
         c.execute("CREATE EXTENSION IF NOT EXISTS outbox_ext")
         c.execute("SELECT count(*) FROM outbox.maintain()")  # the first partitions
         time.sleep(2)   # the worker notices the extension
-        for step in sys.argv[4:] or ["throughput", "latency", "rss", "kafka"]:
+        for step in sys.argv[4:] or ["throughput", "latency", "rss", "rss_kafka", "kafka"]:
             globals()[step](c)
             sys.stdout.flush()

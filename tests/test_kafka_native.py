@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import pytest
 
-from sinks import Tansu, wait_for
+from sinks import Tansu, TlsFront, wait_for
 
 _topics = itertools.count()
 PARTITIONS = 4
@@ -110,10 +110,11 @@ def test_a_null_payload_is_a_tombstone(conn, new_sink, tansu, topic):
 
 
 def test_debezium_format_names_topics_and_headers_as_the_outbox_event_router(conn, new_sink, tansu):
-    tansu.create_topic("outbox.event.invoice", partitions=PARTITIONS)
+    aggregate_type = f"invoice{next(_topics)}"
+    tansu.create_topic(f"outbox.event.{aggregate_type}", partitions=PARTITIONS)
     new_sink("kafka", f"kafka://{tansu.bootstrap}", format="debezium")
-    conn.execute("SELECT outbox.emit('invoice', 'i7', 'invoice.paid', '{\"n\": 1}')")
-    [record] = tansu.read("outbox.event.invoice", PARTITIONS, expect=1)
+    conn.execute("SELECT outbox.emit(%s, 'i7', 'invoice.paid', '{\"n\": 1}')", (aggregate_type,))
+    [record] = tansu.read(f"outbox.event.{aggregate_type}", PARTITIONS, expect=1)
     assert record["key"] == b"i7" and json.loads(record["value"]) == {"n": 1}
     assert len(record["headers"]["id"]) == 36
     assert record["headers"]["eventType"] == b"invoice.paid"
@@ -225,3 +226,36 @@ def test_a_worker_terminated_mid_stream_resumes_each_key_in_order(conn, cluster,
                                   (sink,)).fetchone()[0] == 0, timeout=60)
     records = tansu.read(topic, PARTITIONS, expect=3000)
     assert first_arrivals(records) == dict(sent), "lost or out of order"
+
+
+@pytest.fixture
+def tls_broker(tmp_path):
+    """A broker reached only through TLS (TlsFront), with its CA."""
+    front = TlsFront(tmp_path)
+    broker = Tansu(advertise=front.port)
+    front.backend = broker.port
+    broker.create_topic("secure", partitions=PARTITIONS)
+    yield broker, front
+    front.close()
+    broker.close()
+
+
+def test_kafkas_verifies_the_broker_against_tls_ca(conn, new_sink, tls_broker):
+    broker, front = tls_broker
+    url = f"kafkas://127.0.0.1:{front.port}"
+    sink = new_sink("kafka", url, tls_ca=front.ca_pem)
+    conn.execute("SELECT outbox.emit('order', 's1', 'e', '{\"i\": 1}', NULL, 'secure')")
+    via_tls = {"bootstrap.servers": f"127.0.0.1:{front.port}", "security.protocol": "ssl",
+               "ssl.ca.pem": front.ca_pem}
+    records = broker.read("secure", PARTITIONS, expect=1, client=via_tls)
+    assert [json.loads(r["value"]) for r in records] == [{"i": 1}]
+    wait_for(lambda: delivered(conn, sink) == 1)
+
+
+def test_kafkas_refuses_a_broker_its_roots_do_not_vouch_for(conn, new_sink, tls_broker):
+    broker, front = tls_broker
+    sink = new_sink("kafka", f"kafkas://127.0.0.1:{front.port}", request_timeout="2 s")
+    conn.execute("SELECT outbox.emit('order', 's1', 'e', '{\"i\": 1}', NULL, 'secure')")
+    error = wait_for(lambda: sink_error(conn, sink), timeout=30)
+    assert "certificate verify failed" in error, error
+    assert delivered(conn, sink) == 0

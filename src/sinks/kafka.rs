@@ -39,7 +39,14 @@ const QUEUE_FULL_WAIT: Duration = Duration::from_millis(10);
 /// that lost the idempotent producer's state: its records are then sent again by a new one).
 pub struct Producer {
     settings: ClientConfig,
-    live: Mutex<Option<Arc<ThreadedProducer<Reports>>>>,
+    live: Mutex<Live>,
+}
+
+#[derive(Default)]
+struct Live {
+    producer: Option<Arc<ThreadedProducer<Reports>>>,
+    /// A broker said it has no idempotent producer (Kafka before 0.11).
+    without_idempotence: bool,
 }
 
 impl Producer {
@@ -51,23 +58,33 @@ impl Producer {
             .map_err(|e| format!("Kafka producer settings: {e}"))?;
         Ok(Producer {
             settings,
-            live: Mutex::new(None),
+            live: Mutex::default(),
         })
     }
 
     fn live(&self) -> Result<Arc<ThreadedProducer<Reports>>, String> {
         let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = live.as_ref() {
-            if p.client().fatal_error().is_none() {
-                return Ok(Arc::clone(p));
+        if let Some(p) = &live.producer {
+            match p.client().fatal_error() {
+                None => return Ok(Arc::clone(p)),
+                Some((Code::UnsupportedFeature, _)) => live.without_idempotence = true,
+                Some(_) => {}
             }
         }
+        let mut settings = self.settings.clone();
+        if live.without_idempotence {
+            // one request in flight per connection keeps each partition in order on retries
+            settings
+                .set("enable.idempotence", "false")
+                .set("enable.gapless.guarantee", "false")
+                .set("max.in.flight.requests.per.connection", "1");
+        }
         let producer = Arc::new(
-            self.settings
-                .create_with_context(Reports)
+            settings
+                .create_with_context(Reports::default())
                 .map_err(|e| format!("Kafka producer: {e}"))?,
         );
-        *live = Some(Arc::clone(&producer));
+        live.producer = Some(Arc::clone(&producer));
         Ok(producer)
     }
 
@@ -83,7 +100,8 @@ impl Producer {
                 }
             }
         };
-        let deadline = Instant::now() + config.request_timeout;
+        let started = Instant::now();
+        let deadline = started + config.request_timeout;
         let batch = Arc::new(Batch::new(events.len()));
         let mut failed: HashSet<&str> = HashSet::new();
         for (i, event) in events.iter().enumerate() {
@@ -99,7 +117,7 @@ impl Producer {
             }
         }
         batch.wait(deadline);
-        let outcome = batch.outcome();
+        let outcome = batch.outcome(live.context().error_since(started));
         if let Outcome::SinkDown { .. } = outcome {
             // nothing got through by the deadline: free the client's queue (records already
             // sent stay in flight; the batch is claimed again once the sink is back)
@@ -178,31 +196,40 @@ fn judge(error: &KafkaError) -> Verdict {
 
 /// The records of one batch awaiting their delivery reports.
 struct Batch {
-    verdicts: Mutex<Vec<Option<Verdict>>>,
+    verdicts: Mutex<Verdicts>,
     reported: Condvar,
+}
+
+struct Verdicts {
+    of: Vec<Option<Verdict>>,
+    missing: usize,
 }
 
 impl Batch {
     fn new(n: usize) -> Batch {
         Batch {
-            verdicts: Mutex::new(vec![None; n]),
+            verdicts: Mutex::new(Verdicts {
+                of: vec![None; n],
+                missing: n,
+            }),
             reported: Condvar::new(),
         }
     }
 
     fn report(&self, i: usize, verdict: Verdict) {
         let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(slot) = verdicts.get_mut(i) {
+        if let Some(slot @ None) = verdicts.of.get_mut(i) {
             *slot = Some(verdict);
-        }
-        if verdicts.iter().all(Option::is_some) {
-            self.reported.notify_all();
+            verdicts.missing -= 1;
+            if verdicts.missing == 0 {
+                self.reported.notify_all();
+            }
         }
     }
 
     fn wait(&self, deadline: Instant) {
         let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
-        while verdicts.iter().any(Option::is_none) {
+        while verdicts.missing > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return;
@@ -216,12 +243,16 @@ impl Batch {
 
     /// The verdicts; records with no report yet are retried, unless nothing was delivered at
     /// all (then the sink is down and the batch is given back).
-    fn outcome(&self) -> Outcome {
-        let verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
-        let error = "Kafka: no delivery report within request_timeout (broker unreachable?)";
+    /// `client_said`: the producer's last error, if any (e.g. a failed TLS handshake).
+    fn outcome(&self, client_said: Option<String>) -> Outcome {
+        let verdicts = &self.verdicts.lock().unwrap_or_else(|e| e.into_inner()).of;
+        let error = match client_said {
+            Some(said) => format!("Kafka: no delivery report within request_timeout: {said}"),
+            None => "Kafka: no delivery report within request_timeout (broker unreachable?)".into(),
+        };
         if verdicts.iter().any(Option::is_none) && !verdicts.contains(&Some(Verdict::Delivered)) {
             return Outcome::SinkDown {
-                error: error.into(),
+                error,
                 retry_after: None,
             };
         }
@@ -230,7 +261,7 @@ impl Batch {
                 .iter()
                 .map(|v| {
                     v.clone().unwrap_or(Verdict::Retry {
-                        error: error.into(),
+                        error: error.clone(),
                         retry_after: None,
                     })
                 })
@@ -239,14 +270,37 @@ impl Batch {
     }
 }
 
-/// Routes delivery reports to their batch. (After a fatal error, the reports of what the
-/// producer held say they failed, and the next batch builds a new producer.)
-struct Reports;
+/// Routes delivery reports to their batch, and keeps the client's last error (a broker it
+/// cannot reach, a TLS handshake or a login that fails) for the sink's status. (After a fatal
+/// error, the reports of what the producer held say they failed, and the next batch builds a
+/// new producer.)
+#[derive(Default)]
+struct Reports {
+    last_error: Mutex<Option<(Instant, String)>>,
+}
+
+impl Reports {
+    /// The last error the client reported since `since`.
+    fn error_since(&self, since: Instant) -> Option<String> {
+        let last = self.last_error.lock().unwrap_or_else(|e| e.into_inner());
+        last.as_ref()
+            .filter(|(at, _)| *at >= since)
+            .map(|(_, e)| e.clone())
+    }
+}
 
 impl ClientContext for Reports {
     // librdkafka's own log lines stay out of the server log (errors reach status instead)
     fn log(&self, _level: rdkafka::config::RDKafkaLogLevel, _fac: &str, _log_message: &str) {}
-    fn error(&self, _error: KafkaError, _reason: &str) {}
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        let mut last = self.last_error.lock().unwrap_or_else(|e| e.into_inner());
+        // "all brokers are down" follows the error that says why: keep that one
+        if error.rdkafka_error_code() == Some(Code::AllBrokersDown) && last.is_some() {
+            return;
+        }
+        *last = Some((Instant::now(), format!("{reason} ({error})")));
+    }
 }
 
 impl ProducerContext for Reports {
@@ -392,7 +446,38 @@ pub fn record_headers(config: &Config, e: &Event) -> Vec<(String, String)> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_config;
     use super::*;
+
+    #[test]
+    fn sasl_over_tls_settings() {
+        let config = Config {
+            sasl_mechanism: Some("SCRAM-SHA-512".into()),
+            sasl_username: Some("svc".into()),
+            secret: Some("pw".into()),
+            tls_ca: Some("-----BEGIN CERTIFICATE-----".into()),
+            compression: Some("zstd".into()),
+            ..test_config(Kind::Kafka, "kafkas://b1:9093,b2:9093")
+        };
+        let c = client_config(&config).unwrap();
+        for (key, value) in [
+            ("bootstrap.servers", "b1:9093,b2:9093"),
+            ("security.protocol", "sasl_ssl"),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("sasl.username", "svc"),
+            ("sasl.password", "pw"),
+            ("ssl.ca.pem", "-----BEGIN CERTIFICATE-----"),
+            ("compression.type", "zstd"),
+            ("enable.idempotence", "true"),
+            ("acks", "all"),
+            ("message.timeout.ms", "0"),
+        ] {
+            assert_eq!(c.get(key), Some(value), "{key}");
+        }
+        let plain = client_config(&test_config(Kind::Kafka, "kafka://b:9092")).unwrap();
+        assert_eq!(plain.get("security.protocol"), Some("plaintext"));
+        assert_eq!(plain.get("sasl.mechanism"), None);
+    }
 
     #[test]
     fn bootstrap_urls() {

@@ -299,7 +299,7 @@ fn escape_path(s: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_event;
+    use super::super::{test_config, test_event};
     use super::*;
 
     fn reply(status: u16, body: &str) -> Reply {
@@ -410,25 +410,10 @@ mod tests {
             ..test_event("42")
         };
         let config = Config {
-            name: "k".into(),
-            kind: Kind::KafkaRestV3,
-            url: "http://x".into(),
             format: "json".into(),
-            topics: None,
-            aggregate_types: None,
-            batch_size: 1,
-            concurrency: 1,
-            connect_timeout: std::time::Duration::from_secs(1),
-            request_timeout: std::time::Duration::from_secs(1),
-            secret: None,
-            http_headers: vec![],
-            tls_ca: None,
             topic_map: [("orders".to_string(), "kafka.orders".to_string())].into(),
             cluster_id: Some("c1".into()),
-            compression: None,
-            linger: std::time::Duration::ZERO,
-            sasl_mechanism: None,
-            sasl_username: None,
+            ..test_config(Kind::KafkaRestV3, "http://x")
         };
         assert_eq!(kafka_topic(&config, &e), "kafka.orders");
         let record: Value = serde_json::from_str(v3_body(&config, &[&e]).trim()).unwrap();

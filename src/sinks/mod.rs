@@ -319,6 +319,32 @@ pub fn push_json_str(out: &mut String, s: &str) {
     }
 }
 
+/// A sink of `kind` at `url` with the defaults of outbox.create_sink, for unit tests.
+#[cfg(test)]
+pub fn test_config(kind: Kind, url: &str) -> Config {
+    Config {
+        name: "test".into(),
+        kind,
+        url: url.into(),
+        format: String::new(),
+        topics: None,
+        aggregate_types: None,
+        batch_size: 100,
+        concurrency: 4,
+        connect_timeout: Duration::from_secs(5),
+        request_timeout: Duration::from_secs(30),
+        secret: None,
+        http_headers: vec![],
+        tls_ca: None,
+        topic_map: HashMap::new(),
+        cluster_id: None,
+        compression: None,
+        linger: Duration::from_millis(5),
+        sasl_mechanism: None,
+        sasl_username: None,
+    }
+}
+
 /// An event of key `key` with empty fields, for unit tests.
 #[cfg(test)]
 pub fn test_event(key: &str) -> Event {
