@@ -58,6 +58,14 @@ SELECT i.inhparent::regclass AS parent,
  WHERE i.inhparent IN ('outbox.events'::regclass, 'inbox.messages'::regclass);
 COMMENT ON VIEW outbox.partitions IS 'Partitions of outbox.events and inbox.messages with their time ranges.';
 
+-- outbox.partitions as a value, without the sizes (each a stat of every file of a partition).
+CREATE OR REPLACE FUNCTION outbox._partition_list() RETURNS outbox.partitions[]
+    LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT ARRAY(SELECT ROW(x.parent, x.partition, x.lower, x.upper, x.is_default, NULL)::outbox.partitions
+                   FROM outbox.partitions x)
+$$;
+
 CREATE OR REPLACE FUNCTION outbox._floor_time(at timestamptz, width interval) RETURNS timestamptz
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN to_timestamp(floor(extract(epoch FROM at) / extract(epoch FROM width)) * extract(epoch FROM width));
@@ -185,6 +193,10 @@ AS $$
 DECLARE
     cfg     outbox.partition_config;
     p       outbox.partitions;
+    -- the partitions, read once (reading outbox.partitions deparses every partition's bounds:
+    -- about 0.1 ms each), read again only after this run changed them
+    parts   outbox.partitions[] := outbox._partition_list();
+    changed boolean := false;
     created regclass;
     lo_at   timestamptz;
     n       bigint;
@@ -225,7 +237,7 @@ BEGIN
         END;
     END IF;
     FOR cfg IN SELECT * FROM outbox.partition_config LOOP
-        FOR p IN SELECT * FROM outbox.partitions x
+        FOR p IN SELECT * FROM unnest(parts) x
                   WHERE x.parent = cfg.parent AND NOT x.is_default AND x.upper <= now() - cfg.retention
                   ORDER BY x.lower LOOP
             part := p.partition::text;  -- named while it exists
@@ -251,6 +263,7 @@ BEGIN
                     EXECUTE format('DROP TABLE %s', part);
                     RETURN QUERY SELECT 'dropped', part, NULL::text;
                 END IF;
+                changed := true;
             EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
                 -- A deadlock: a transaction that holds the inbox and waits for the events table
                 -- (inbox.claim, then emit) while this run, having dropped an events partition,
@@ -262,17 +275,22 @@ BEGIN
     END LOOP;
     PERFORM set_config('lock_timeout', old_timeout, true);
     FOR cfg IN SELECT * FROM outbox.partition_config LOOP
+        IF changed THEN
+            parts := outbox._partition_list();
+            changed := false;
+        END IF;
         -- 2. rows that landed in the default partition: report them, move them into partitions
         --    (inbox ids that are not UUIDv7 carry no time: they stay, and age out by received_at)
         FOR lo_at IN EXECUTE format(
                 'SELECT DISTINCT outbox._floor_time(%s, %L) FROM %s %s',
                 outbox._key_time(cfg.parent), cfg.width,
-                (SELECT d.partition FROM outbox.partitions d WHERE d.parent = cfg.parent AND d.is_default),
+                (SELECT d.partition FROM unnest(parts) d WHERE d.parent = cfg.parent AND d.is_default),
                 CASE WHEN cfg.parent = 'inbox.messages'::regclass
                      THEN 'WHERE substr(message_id::text, 15, 1) = ''7''' ELSE '' END)
         LOOP
             created := outbox._create_partition(cfg.parent, lo_at, cfg.width);
             IF created IS NOT NULL THEN
+                changed := true;
                 RAISE WARNING 'outbox.maintain: rows of % were in its default partition; moved them to %',
                     cfg.parent, created;
                 RETURN QUERY SELECT 'moved', created::text, 'rows from the default partition';
@@ -280,9 +298,12 @@ BEGIN
         END LOOP;
         -- 3. partitions ahead: the ranges no partition covers yet, found in one pass over the
         --    partitions (each _create_partition call reads them all again)
+        IF changed THEN
+            parts := outbox._partition_list();
+        END IF;
         FOR lo_at IN
             WITH existing AS MATERIALIZED (
-                     SELECT x.lower, x.upper FROM outbox.partitions x
+                     SELECT x.lower, x.upper FROM unnest(parts) x
                       WHERE x.parent = cfg.parent AND NOT x.is_default
                         AND x.upper > outbox._floor_time(now(), cfg.width))
             SELECT g FROM generate_series(outbox._floor_time(now(), cfg.width),

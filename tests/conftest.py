@@ -125,5 +125,12 @@ def new_sink(cluster, deliver_db):
             conn.execute("SELECT outbox.drop_sink(%s)", (name,))
 
 
+def keys_in_shard(db, shard: int, n: int) -> list[str]:
+    """n aggregate ids that land in `shard`."""
+    return [r[0] for r in db.execute(
+        "SELECT k FROM (SELECT 'key-' || i AS k FROM generate_series(1, 10000) i) s "
+        "WHERE outbox.shard_of(k) = %s LIMIT %s", (shard, n)).fetchall()]
+
+
 def count_events(conn, where: str = "true", params=()) -> int:
     return conn.execute(f"SELECT count(*) FROM outbox.events WHERE {where}", params).fetchone()[0]

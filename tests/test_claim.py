@@ -11,6 +11,7 @@ from collections import defaultdict
 import psycopg
 import pytest
 
+from conftest import keys_in_shard
 from relay import Relay
 
 
@@ -21,12 +22,6 @@ def emit(conn, key: str, n: int = 1, event_type: str = "e", payload: str = "{}")
 
 def committed_events(db) -> list[tuple]:
     return db.execute("SELECT id, aggregate_id, seq FROM outbox.events ORDER BY seq").fetchall()
-
-
-def keys_in_shard(db, shard: int, n: int) -> list[str]:
-    return [r[0] for r in db.execute(
-        "SELECT k FROM (SELECT 'key-' || i AS k FROM generate_series(1, 10000) i) s "
-        "WHERE outbox.shard_of(k) = %s LIMIT %s", (shard, n)).fetchall()]
 
 
 @pytest.fixture

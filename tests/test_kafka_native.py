@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import signal
+import time
 from collections import defaultdict
 
 import pytest
@@ -149,6 +150,23 @@ def test_an_unknown_topic_holds_its_key_until_the_topic_is_made(conn, new_sink, 
     assert conn.execute("SELECT count(*) FROM outbox.dead_letters WHERE consumer = %s", (sink,)).fetchone()[0] == 0
 
 
+def test_a_key_whose_events_go_to_two_topics_keeps_its_order_across_them(conn, new_sink, tansu, topic):
+    """Two topics are two partitions, which the producer does not order with each other: a
+    key's record for one waits for its earlier record for the other."""
+    sink = new_sink("kafka", f"kafka://{tansu.bootstrap}", request_timeout="3 s")
+    missing = f"missing{next(_topics)}"
+    with conn.transaction():   # one batch: e1 -> topic, e2 -> missing (parks), e3 -> topic
+        for i, t in ((1, topic), (2, missing), (3, topic)):
+            conn.execute("SELECT outbox.emit('order', 'x', 'e', %s::jsonb, NULL, %s)", (json.dumps({"i": i}), t))
+    wait_for(lambda: "topic" in (sink_error(conn, sink) or "").lower(), timeout=40)
+    time.sleep(1)
+    assert [json.loads(r["value"]) for r in tansu.read(topic, PARTITIONS, expect=1)] == [{"i": 1}], \
+        "e3 was published while e2, earlier, was not"
+    tansu.create_topic(missing, partitions=PARTITIONS)
+    assert [json.loads(r["value"]) for r in tansu.read(missing, PARTITIONS, expect=1, timeout=60)] == [{"i": 2}]
+    assert [json.loads(r["value"]) for r in tansu.read(topic, PARTITIONS, expect=2)] == [{"i": 1}, {"i": 3}]
+
+
 def test_a_broker_down_at_start_gets_everything_once_it_is_up(conn, new_sink):
     broker = Tansu(start=False)
     try:
@@ -216,7 +234,8 @@ def test_a_worker_terminated_mid_stream_resumes_each_key_in_order(conn, cluster,
     sink = new_sink("kafka", f"kafka://{tansu.bootstrap}", batch_size=10, linger="20 ms")
     with conn.transaction():   # one commit: a backlog the worker is in the middle of
         sent = emit_keys(conn, topic, keys=10, per_key=300)
-    wait_for(lambda: delivered(conn, sink) > 0, every=0.01)
+    wait_for(lambda: conn.execute("SELECT pending FROM outbox.status WHERE consumer = %s",
+                                  (sink,)).fetchone()[0] < 2900, every=0.01)
     first = cluster.worker_pid(deliver_db)
     conn.execute("SELECT pg_terminate_backend(%s)", (first,))
     left = conn.execute("SELECT pending FROM outbox.status WHERE consumer = %s", (sink,)).fetchone()[0]

@@ -48,6 +48,7 @@ FUNCTIONS = [
     ("pg_visible_in_snapshot", ["xid8", "pg_snapshot"], "boolean"), ("position", ["text", "text"], "integer"),
     ("replace", ["text", "text", "text"], "text"), ("to_char", ["timestamp", "text"], "text"),
     ("pg_is_in_recovery", [], "boolean"), ("pg_backend_pid", [], "integer"),
+    ("row_to_json", ["record"], "json"),
 ]
 
 

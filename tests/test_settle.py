@@ -10,13 +10,8 @@ import time
 import psycopg
 import pytest
 
+from conftest import keys_in_shard
 from relay import Relay
-
-
-def keys_in_shard(db, shard: int, n: int) -> list[str]:
-    return [r[0] for r in db.execute(
-        "SELECT k FROM (SELECT 'key-' || i AS k FROM generate_series(1, 10000) i) s "
-        "WHERE outbox.shard_of(k) = %s LIMIT %s", (shard, n)).fetchall()]
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@
 -- batches in per-key order, instead of only through a REST proxy. outbox.sinks gains the
 -- producer's settings (compression, linger, SASL mechanism and user; the password is the
 -- sink's secret), create_sink takes them, and the native settings check learns kafka:// URLs.
+-- maintain() reads the partitions once per run, not once per step.
 --
 -- Rerunnable. Each "-- @include" line stands for that file of sql/, expanded when the
 -- extension is installed (scripts/lib.sh); freeze this file (expand them) when a later
@@ -33,4 +34,5 @@ LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'check_sink_settings_of_kind_wrapper';
 
 -- @include sinks.sql
+-- @include partitions.sql
 -- @include grants.sql

@@ -2,13 +2,15 @@
 //! crate, built from its bundled source). Also the record rules every Kafka sink shares (topic,
 //! key, headers), used by the REST sinks too.
 //!
-//! Per-key order with whole batches rests on three things:
+//! Per-key order with whole batches rests on four things:
 //! - the idempotent producer (acks=all, gapless): per partition, the broker persists a
 //!   producer's records in the order they were produced, so a record persisted means every
 //!   earlier record of its partition from that producer was persisted first;
 //! - no record is ever failed locally in the middle of a key: messages never time out inside
-//!   the client (message.timeout.ms = 0), and when one cannot even be queued, the later records
-//!   of its key in the batch are not queued either (held back);
+//!   the client (message.timeout.ms = 0), and when one cannot even be queued, or its report
+//!   says it failed, the later records of its key in the batch are not queued (held back);
+//! - another topic is another partition, which the producer does not order with the first: a
+//!   key's record for a topic other than its previous record's waits for that one's report;
 //! - a record is acked only on its delivery report. What has no report by the sink's
 //!   request_timeout is retried from the first such record of its key; a copy still queued in
 //!   the client may then arrive twice, never ahead of an earlier record of its key.
@@ -21,18 +23,21 @@ use rdkafka::config::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{
-    BaseRecord, DeliveryResult, Producer as _, ProducerContext, PurgeConfig, ThreadedProducer,
+    BaseRecord, DeliveryResult, Producer as _, ProducerContext, ThreadedProducer,
 };
 use rdkafka::types::RDKafkaErrorCode as Code;
 use rdkafka::ClientContext;
 use serde_json::Value;
-use std::collections::HashSet;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// The most bytes the client may hold queued (librdkafka's queue.buffering.max.kbytes).
 const QUEUE_KBYTES: usize = 64 * 1024;
-/// How long a full client queue is waited on before the record's key is held back.
+/// How long a full client queue is waited on, in steps of QUEUE_FULL_WAIT, before the
+/// record's key is held back.
+const QUEUE_FULL_PATIENCE: Duration = Duration::from_secs(1);
 const QUEUE_FULL_WAIT: Duration = Duration::from_millis(10);
 
 /// A Kafka sink's producer: built on first use, built anew after a fatal error (e.g. a broker
@@ -84,7 +89,11 @@ impl Producer {
                 .create_with_context(Reports::default())
                 .map_err(|e| format!("Kafka producer: {e}"))?,
         );
-        live.producer = Some(Arc::clone(&producer));
+        let old = live.producer.replace(Arc::clone(&producer));
+        drop(live);
+        if let Some(old) = old {
+            tear_down(old);
+        }
         Ok(producer)
     }
 
@@ -100,44 +109,99 @@ impl Producer {
                 }
             }
         };
-        let started = Instant::now();
-        let deadline = started + config.request_timeout;
+        let deadline = Instant::now() + config.request_timeout;
         let batch = Arc::new(Batch::new(events.len()));
-        let mut failed: HashSet<&str> = HashSet::new();
+        // per key, its last record queued in this batch: (index, topic)
+        let mut last: HashMap<&str, (usize, String)> = HashMap::new();
         for (i, event) in events.iter().enumerate() {
             let key = event.aggregate_id.as_str();
-            let verdict = if failed.contains(key) {
-                Some(held_back())
-            } else {
-                produce(&live, config, event, &batch, i, deadline).err()
+            let topic = kafka_topic(config, event);
+            let go_on = match last.get(key) {
+                None => true,
+                Some((j, earlier_topic)) => {
+                    // another topic is another partition, which the producer does not order
+                    // with this one: the earlier record must be in before this one goes
+                    let earlier = match *earlier_topic == topic {
+                        true => batch.verdict(*j),
+                        false => batch.wait_for(*j, deadline),
+                    };
+                    // any failure holds the key's later events back (outbox.settle keeps
+                    // them back whatever is reported: sent now, they would go twice)
+                    match earlier {
+                        None => *earlier_topic == topic,
+                        Some(v) => v == Verdict::Delivered,
+                    }
+                }
+            };
+            let verdict = match go_on {
+                false => Some(held_back()),
+                true => produce(&live, config, event, &topic, &batch, i, deadline).err(),
             };
             if let Some(verdict) = verdict {
-                failed.insert(key);
                 batch.report(i, verdict);
             }
+            last.insert(key, (i, topic));
         }
         batch.wait(deadline);
-        let outcome = batch.outcome(live.context().error_since(started));
+        let outcome = batch.outcome(live.context().last_error());
         if let Outcome::SinkDown { .. } = outcome {
-            // nothing got through by the deadline: free the client's queue (records already
-            // sent stay in flight; the batch is claimed again once the sink is back)
-            live.purge(PurgeConfig::default().queue());
+            self.retire(&live);
         }
         outcome
     }
+
+    /// Nothing got through by the deadline: the next batch gets a new producer, and this one,
+    /// once the batches that use it are over, drops what it still holds (a broker back from a
+    /// restart may not know it; its copies would only arrive twice).
+    fn retire(&self, producer: &Arc<ThreadedProducer<Reports>>) {
+        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        if live
+            .producer
+            .as_ref()
+            .is_some_and(|p| Arc::ptr_eq(p, producer))
+        {
+            let old = live.producer.take();
+            drop(live);
+            if let Some(old) = old {
+                tear_down(old);
+            }
+        }
+    }
 }
 
-/// Queues one record; Err(verdict) when it cannot be queued.
+impl Drop for Producer {
+    fn drop(&mut self) {
+        let live = self.live.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(producer) = live.producer.take() {
+            tear_down(producer);
+        }
+    }
+}
+
+/// Lets go of a producer on a thread of its own (signals blocked): librdkafka's teardown joins
+/// its threads and flushes for up to half a second, which must not stall the worker's loop
+/// (a sink changed or dropped) or the sink's other batches.
+fn tear_down(producer: Arc<ThreadedProducer<Reports>>) {
+    let spawned = crate::worker::pool::with_signals_blocked(|| {
+        std::thread::Builder::new()
+            .name("outbox_ext kafka teardown".into())
+            .spawn(move || drop(producer))
+    });
+    drop(spawned); // if no thread could start, the producer went with the closure, here
+}
+
+/// Queues one record; Err(verdict) when it cannot be queued (a full queue is waited on for at
+/// most QUEUE_FULL_PATIENCE).
 fn produce(
     producer: &ThreadedProducer<Reports>,
     config: &Config,
     event: &Event,
+    topic: &str,
     batch: &Arc<Batch>,
     i: usize,
     deadline: Instant,
 ) -> Result<(), Verdict> {
-    let topic = kafka_topic(config, event);
-    if crate::emit::check_topic(&topic).is_err() {
+    if crate::emit::check_topic(topic).is_err() {
         return Err(Verdict::Reject {
             error: format!("Kafka: \"{topic}\" is not a valid Kafka topic name"),
         });
@@ -151,17 +215,18 @@ fn produce(
                     value: Some(value.as_bytes()),
                 })
             });
-    let mut record = BaseRecord::with_opaque_to(&topic, Box::new((Arc::clone(batch), i)))
+    let mut record = BaseRecord::with_opaque_to(topic, Box::new((Arc::clone(batch), i)))
         .key(event.aggregate_id.as_bytes())
         .headers(headers);
     if let Some(payload) = &event.payload {
         record = record.payload(payload.as_bytes());
     }
+    let patience = deadline.min(Instant::now() + QUEUE_FULL_PATIENCE);
     loop {
         match producer.send(record) {
             Ok(()) => return Ok(()),
             Err((KafkaError::MessageProduction(Code::QueueFull), back))
-                if Instant::now() < deadline =>
+                if Instant::now() < patience =>
             {
                 record = back;
                 std::thread::sleep(QUEUE_FULL_WAIT);
@@ -203,6 +268,8 @@ struct Batch {
 struct Verdicts {
     of: Vec<Option<Verdict>>,
     missing: usize,
+    /// The record wait_for waits for (woken by its report, not by every report).
+    awaited: Option<usize>,
 }
 
 impl Batch {
@@ -211,6 +278,7 @@ impl Batch {
             verdicts: Mutex::new(Verdicts {
                 of: vec![None; n],
                 missing: n,
+                awaited: None,
             }),
             reported: Condvar::new(),
         }
@@ -221,9 +289,33 @@ impl Batch {
         if let Some(slot @ None) = verdicts.of.get_mut(i) {
             *slot = Some(verdict);
             verdicts.missing -= 1;
-            if verdicts.missing == 0 {
+            if verdicts.missing == 0 || verdicts.awaited == Some(i) {
                 self.reported.notify_all();
             }
+        }
+    }
+
+    /// Record i's verdict, if it has one yet.
+    fn verdict(&self, i: usize) -> Option<Verdict> {
+        let verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
+        verdicts.of.get(i).cloned().flatten()
+    }
+
+    /// Record i's verdict, waited for until `deadline`.
+    fn wait_for(&self, i: usize, deadline: Instant) -> Option<Verdict> {
+        let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let v = verdicts.of.get(i).cloned().flatten();
+            let left = deadline.saturating_duration_since(Instant::now());
+            if v.is_some() || left.is_zero() {
+                verdicts.awaited = None;
+                return v;
+            }
+            verdicts.awaited = Some(i);
+            verdicts = match self.reported.wait_timeout(verdicts, left) {
+                Ok((v, _)) => v,
+                Err(e) => e.into_inner().0,
+            };
         }
     }
 
@@ -276,16 +368,17 @@ impl Batch {
 /// new producer.)
 #[derive(Default)]
 struct Reports {
-    last_error: Mutex<Option<(Instant, String)>>,
+    /// The client's last error, until a record is delivered.
+    last_error: Mutex<Option<String>>,
+    has_error: AtomicBool,
 }
 
 impl Reports {
-    /// The last error the client reported since `since`.
-    fn error_since(&self, since: Instant) -> Option<String> {
-        let last = self.last_error.lock().unwrap_or_else(|e| e.into_inner());
-        last.as_ref()
-            .filter(|(at, _)| *at >= since)
-            .map(|(_, e)| e.clone())
+    fn last_error(&self) -> Option<String> {
+        self.last_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
@@ -299,7 +392,8 @@ impl ClientContext for Reports {
         if error.rdkafka_error_code() == Some(Code::AllBrokersDown) && last.is_some() {
             return;
         }
-        *last = Some((Instant::now(), format!("{reason} ({error})")));
+        *last = Some(format!("{reason} ({error})"));
+        self.has_error.store(true, Ordering::Relaxed);
     }
 }
 
@@ -309,7 +403,12 @@ impl ProducerContext for Reports {
     fn delivery(&self, result: &DeliveryResult<'_>, opaque: Self::DeliveryOpaque) {
         let (batch, i) = *opaque;
         let verdict = match result {
-            Ok(_) => Verdict::Delivered,
+            Ok(_) => {
+                if self.has_error.swap(false, Ordering::Relaxed) {
+                    *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                }
+                Verdict::Delivered
+            }
             Err((error, _)) => judge(error),
         };
         batch.report(i, verdict);
@@ -320,7 +419,10 @@ impl ProducerContext for Reports {
 /// kafkas://... (TLS, verified against tls_ca or the system's roots).
 fn client_config(config: &Config) -> Result<ClientConfig, String> {
     let (tls, brokers) = bootstrap(&config.url)?;
-    let millis = |d: Duration| d.as_millis().max(1).to_string();
+    // librdkafka takes a connection setup timeout of at least 1 s, a request timeout of at
+    // most 900 s
+    let millis =
+        |d: Duration, least: u128, most: u128| d.as_millis().clamp(least, most).to_string();
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", brokers)
         .set("client.id", format!("outbox_ext/{}", config.name))
@@ -330,16 +432,19 @@ fn client_config(config: &Config) -> Result<ClientConfig, String> {
         .set("partitioner", "murmur2_random") // where a Java producer puts the same key
         .set("allow.auto.create.topics", "false") // a mistyped topic shows, it is not made
         .set("message.timeout.ms", "0") // never fail a record in the client (see the top)
-        .set("request.timeout.ms", millis(config.request_timeout))
+        .set(
+            "request.timeout.ms",
+            millis(config.request_timeout, 1, 900_000),
+        )
         .set(
             "socket.connection.setup.timeout.ms",
-            millis(config.connect_timeout),
+            millis(config.connect_timeout, 1000, 2_147_483_647),
         )
         .set(
             "topic.metadata.propagation.max.ms",
-            millis(config.request_timeout / 3),
+            millis(config.request_timeout / 3, 1, 3_600_000),
         )
-        .set("linger.ms", millis(config.linger))
+        .set("linger.ms", millis(config.linger, 0, 900_000))
         .set(
             "compression.type",
             config.compression.as_deref().unwrap_or("none"),

@@ -6,9 +6,8 @@
 
 use super::pool::{Done, Pool};
 use super::queries::{self, Figures, SinkRow};
-use super::report_activity;
+use super::{report_activity, stop_requested};
 use crate::sinks::{Client, Outcome};
-use pgrx::bgworkers::BackgroundWorker;
 use pgrx::prelude::*;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -92,7 +91,7 @@ impl Delivery {
             pg_sys::ResetLatch(pg_sys::MyLatch);
         }
         pg_sys::check_for_interrupts!();
-        !BackgroundWorker::sigterm_received()
+        !stop_requested()
     }
 
     /// One round: settle what finished, reread sinks when due, claim more, write figures.
@@ -264,11 +263,12 @@ impl Delivery {
                 Duration::ZERO
             }
         };
+        let mut combined_failed = None;
         let result = match &done.outcome {
             // keeping up: settle and claim the sink's next batch in one transaction
             Outcome::Events(verdicts)
                 if !self.stopping
-                    && !BackgroundWorker::sigterm_received()
+                    && !stop_requested()
                     && sink.paused_until.is_none_or(|t| t <= Instant::now())
                     && self.pool.in_flight(&done.batch.sink) < sink.client.config.concurrency =>
             {
@@ -281,7 +281,10 @@ impl Delivery {
                     lease(config),
                 )
                 // its claim failing rolls its settle back: settle on its own then
-                .or_else(|_| queries::settle(&done.batch, &done.outcome, pause).map(|s| (s, None)))
+                .or_else(|e| {
+                    combined_failed = Some(e);
+                    queries::settle(&done.batch, &done.outcome, pause).map(|s| (s, None))
+                })
                 .map(|(settled, next)| {
                     if let Some(next) = next {
                         sink.batch_limit = batch_limit(config.batch_size, &next.events);
@@ -292,6 +295,10 @@ impl Delivery {
             }
             _ => queries::settle(&done.batch, &done.outcome, pause),
         };
+        if let Some(e) = combined_failed {
+            let error = format!("settle_and_claim failed, settled on its own: {e}");
+            note_error(&done.batch.sink, sink, &error);
+        }
         match result {
             Ok(settled) => {
                 sink.figures.delivered += settled.delivered as u64;

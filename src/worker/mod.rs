@@ -10,7 +10,7 @@
 //! ERROR in the log, and the launcher starts it again.
 
 mod dispatch;
-mod pool;
+pub(crate) mod pool;
 mod queries;
 mod session;
 
@@ -278,6 +278,13 @@ fn reload_on_sighup() -> bool {
         unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
     }
     hup
+}
+
+/// Whether SIGTERM came: PostgreSQL's ShutdownRequestPending, which the handler sets and
+/// nothing resets. (pgrx's sigterm_received() clears its flag: of two places that ask, the
+/// second would never hear of the signal, and the worker would not stop.)
+pub fn stop_requested() -> bool {
+    unsafe { std::ptr::read_volatile(&raw const pg_sys::ShutdownRequestPending) != 0 }
 }
 
 /// Shows what the process is doing in pg_stat_activity.query.

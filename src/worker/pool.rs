@@ -162,7 +162,7 @@ fn deliver_loop(queue: &Mutex<Receiver<Job>>, done: &Sender<Done>, wake: &UnixSt
 }
 
 /// Runs `f` (which starts a thread) with all signals blocked, so the thread inherits that mask.
-fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
+pub(crate) fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
     unsafe {
         let mut all: libc::sigset_t = std::mem::zeroed();
         let mut old: libc::sigset_t = std::mem::zeroed();
