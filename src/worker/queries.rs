@@ -116,6 +116,34 @@ impl SinkColumns {
     }
 }
 
+/// Every consumer's row of outbox.status, for the metrics (ages and times in seconds).
+pub fn consumer_status() -> Result<Vec<super::metrics::ConsumerStatus>, String> {
+    in_transaction(|| {
+        Spi::connect(|client| {
+            let rows = client.select(
+                "SELECT pg_catalog.row_to_json(r)::text FROM (
+                     SELECT s.consumer, s.pending, s.parked_keys, s.parked_events, s.dead_letters,
+                            pg_catalog.date_part('epoch', s.lag) AS lag,
+                            pg_catalog.date_part('epoch', s.oldest_pending_at) AS oldest_pending_at,
+                            s.delivered_total, s.failed_total
+                       FROM outbox.status s) AS r",
+                None,
+                &[],
+            )?;
+            let mut consumers = Vec::new();
+            for row in rows {
+                let json = row.get::<String>(1)?.unwrap_or_default();
+                match serde_json::from_str(&json) {
+                    Ok(status) => consumers.push(status),
+                    Err(e) => warning!("outbox_ext worker: unreadable outbox.status row: {e}"),
+                }
+            }
+            Ok::<_, pgrx::spi::Error>(consumers)
+        })
+    })?
+    .map_err(|e| e.to_string())
+}
+
 /// Takes back the leases a dead worker left on this sink's shards.
 pub fn take_back_leases(sink: &str) -> Result<i32, String> {
     in_transaction(|| {

@@ -1,0 +1,229 @@
+"""Prometheus metrics: the worker's endpoint, scraped by a real Prometheus (Debian's package),
+whose HTTP API the tests then query. Known deliveries, failures, a parked key, a dead letter and
+a batch held in flight must show up as the series the README documents, equal to what
+outbox.status says."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+import tempfile
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import MAJORS
+from pgcluster import Cluster, free_port
+from sinks import Receiver, create_sink, wait_for
+
+DB = "metrics_db"
+SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+ALERTS = Path(__file__).resolve().parent.parent / "monitoring/alerts.yml"  # the shipped rules
+
+
+@pytest.fixture(scope="module", params=MAJORS, ids=[f"pg{m}" for m in MAJORS])
+def served(request):
+    """A cluster whose worker serves DB and its metrics; yields (cluster, metrics port)."""
+    port = free_port()
+    c = Cluster(request.param, {"outbox_ext.databases": f"'{DB}'",
+                                "outbox_ext.metrics_address": f"'127.0.0.1:{port}'"}).init()
+    c.start()
+    with c.connect() as conn:
+        conn.execute(f"CREATE DATABASE {DB}")
+    with c.connect(DB) as conn:
+        conn.execute("CREATE EXTENSION outbox_ext")
+    wait_for(lambda: _get(f"http://127.0.0.1:{port}/metrics"), timeout=30)
+    yield c, port
+    c.destroy()
+
+
+@pytest.fixture(scope="module")
+def prometheus(served):
+    """A real Prometheus scraping the worker every second; yields query(promql) -> {labels: value}."""
+    _, target = served
+    home = Path(tempfile.mkdtemp(prefix="outbox-prometheus-"))
+    (home / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{ALERTS}']\n"
+        "scrape_configs:\n"
+        f"  - job_name: outbox\n    static_configs: [{{targets: ['127.0.0.1:{target}']}}]\n")
+    port = free_port()
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={home / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={home / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(home / "log", "w"))
+    api = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _get(f"{api}/-/ready"), timeout=60)
+
+    def query(promql: str) -> dict[tuple, float]:
+        body = json.loads(_get(f"{api}/api/v1/query?" + urllib.parse.urlencode({"query": promql})))
+        assert body["status"] == "success", body
+        return {tuple(sorted((k, v) for k, v in r["metric"].items() if k not in ("__name__", "instance", "job"))):
+                float(r["value"][1]) for r in body["data"]["result"]}
+
+    query.api = api
+    yield query
+    proc.terminate()
+    proc.wait(timeout=30)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.read().decode()
+    except (urllib.error.URLError, ConnectionError):
+        return None
+
+
+def series(query, name: str, consumer: str) -> float | None:
+    return query(f'{name}{{database="{DB}", consumer="{consumer}"}}').get(
+        (("consumer", consumer), ("database", DB)))
+
+
+def emit(conn, aggregate_type: str, keys: list[str]) -> None:
+    with conn.transaction():
+        for key in keys:
+            conn.execute("SELECT outbox.emit(%s, %s, 'e', '{}')", (aggregate_type, key))
+
+
+def status_of(conn, consumer: str) -> dict:
+    cur = conn.execute("SELECT pending, parked_keys, parked_events, dead_letters, delivered_total, "
+                       "failed_total FROM outbox.status WHERE consumer = %s", (consumer,))
+    return dict(zip([d.name for d in cur.description], cur.fetchone()))
+
+
+def picky(request) -> tuple[int, dict, bytes]:
+    """Refuses key 'bad' for good (400: a dead letter) and key 'poison' for now (500: parked)."""
+    key = request.events()[0]["aggregate_id"]
+    return {"bad": 400, "poison": 500}.get(key, 200), {}, b""
+
+
+def test_prometheus_scrapes_deliveries_failures_parked_keys_and_dead_letters(served, prometheus):
+    cluster, port = served
+    good, choosy = Receiver(), Receiver(picky)
+    with cluster.connect(DB) as conn:
+        conn.execute("SELECT outbox.create_consumer('reader')")  # a relay that never claims
+        create_sink(conn, "good", "webhook", good.url, aggregate_types=["good"], secret=SECRET)
+        # one retry, then parked for an hour: the failure counts stay still while the test reads
+        create_sink(conn, "choosy", "webhook", choosy.url, aggregate_types=["choosy"], format="single",
+                    backoff_base="1 hour", backoff_max="1 hour")
+        emit(conn, "good", [f"g{i}" for i in range(5)])
+        emit(conn, "choosy", ["ok1", "bad", "poison", "ok2", "poison"])
+        wait_for(lambda: status_of(conn, "good")["delivered_total"] == 5
+                 and status_of(conn, "choosy")["delivered_total"] == 2
+                 and status_of(conn, "choosy")["dead_letters"] == 1
+                 and status_of(conn, "choosy")["parked_keys"] == 1)
+        expected = {c: status_of(conn, c) for c in ("good", "choosy", "reader")}
+        oldest = conn.execute("SELECT extract(epoch FROM oldest_pending_at)::float8 FROM outbox.status "
+                              "WHERE consumer = 'reader'").fetchone()[0]
+    # bad, poison, and the poison event held back behind it
+    assert expected["choosy"]["failed_total"] == 3 and expected["choosy"]["parked_events"] == 2
+
+    names = {"pending": "outbox_pending_events", "parked_keys": "outbox_parked_keys",
+             "parked_events": "outbox_parked_events", "dead_letters": "outbox_dead_letters",
+             "delivered_total": "outbox_delivered_events_total", "failed_total": "outbox_failed_events_total"}
+
+    def scraped(consumer):
+        return {column: series(prometheus, name, consumer) for column, name in names.items()}
+    for consumer in expected:
+        wait_for(lambda: scraped(consumer) == expected[consumer], timeout=30)
+    assert expected["reader"]["pending"] == 10 and expected["reader"]["delivered_total"] is None
+    # the relay's oldest pending event, and its age: 0 and absent where nothing is pending
+    assert series(prometheus, "outbox_oldest_pending_timestamp_seconds", "reader") == pytest.approx(oldest, abs=1e-3)
+    assert 0 < series(prometheus, "outbox_lag_seconds", "reader") < 60
+    assert series(prometheus, "outbox_lag_seconds", "good") == 0
+    assert series(prometheus, "outbox_oldest_pending_timestamp_seconds", "good") is None
+
+    # each batch's delivery time: 5 events in one or more batches, 5 single-event requests
+    for consumer, at_least in [("good", 1), ("choosy", 5)]:
+        count = series(prometheus, "outbox_request_duration_seconds_count", consumer)
+        assert count is not None and count >= at_least
+        buckets = prometheus(f'outbox_request_duration_seconds_bucket{{consumer="{consumer}", le="+Inf"}}')
+        assert list(buckets.values()) == [count]
+        assert series(prometheus, "outbox_request_duration_seconds_sum", consumer) > 0
+    assert prometheus(f'outbox_worker_up{{database="{DB}"}}') == {(("database", DB),): 1.0}
+    assert prometheus('up{job="outbox"}') == {(): 1.0}
+    good.close()
+    choosy.close()
+
+
+def test_a_batch_out_at_a_hung_sink_is_in_flight(served, prometheus):
+    cluster, _ = served
+    release = threading.Event()
+
+    def hang(_request):
+        release.wait(60)
+        return 200, {}, b""
+
+    slow = Receiver(hang)
+    with cluster.connect(DB) as conn:
+        create_sink(conn, "slow", "webhook", slow.url, aggregate_types=["slow"], request_timeout="60 s")
+        emit(conn, "slow", ["s1"])
+        wait_for(lambda: series(prometheus, "outbox_batches_in_flight", "slow") == 1, timeout=30)
+        release.set()
+        wait_for(lambda: series(prometheus, "outbox_batches_in_flight", "slow") == 0, timeout=30)
+        wait_for(lambda: series(prometheus, "outbox_delivered_events_total", "slow") == 1, timeout=30)
+    slow.close()
+
+
+def test_the_shipped_alerting_rules_load_and_evaluate(prometheus):
+    rules = json.loads(_get(f"{prometheus.api}/api/v1/rules"))["data"]["groups"]
+    loaded = {r["name"]: r for g in rules for r in g["rules"]}
+    assert set(loaded) == {"OutboxConsumerLagging", "OutboxWorkerDown", "OutboxDeadLetters"}
+    # evaluated against the scraped series without error (the worker is up: that one is quiet)
+    wait_for(lambda: all(r["health"] == "ok" for r in json.loads(
+        _get(f"{prometheus.api}/api/v1/rules"))["data"]["groups"][0]["rules"]), timeout=30)
+    assert loaded["OutboxWorkerDown"]["state"] == "inactive"
+
+
+def test_the_endpoint_shows_no_url_or_secret_and_serves_only_metrics(served):
+    cluster, port = served
+    secret = "whsec_" + base64.b64encode(b"top-secret-key-that-must-not-leak").decode()
+    with cluster.connect(DB) as conn:
+        create_sink(conn, "hidden", "webhook", "http://127.0.0.1:9/private-path?token=t0p", secret=secret)
+        wait_for(lambda: 'consumer="hidden"' in (_get(f"http://127.0.0.1:{port}/metrics") or ""), timeout=30)
+    text = _get(f"http://127.0.0.1:{port}/metrics")
+    assert text.endswith("# EOF\n")
+    for leak in ("private-path", "t0p", secret, "127.0.0.1:9/"):
+        assert leak not in text
+    assert _get(f"http://127.0.0.1:{port}/other") is None  # 404
+
+
+def test_a_bad_address_is_a_warning_not_a_crash(cluster):
+    """A worker given an address it cannot use says so once and delivers on."""
+    c = Cluster(cluster.major, {"outbox_ext.databases": f"'{DB}'",
+                                "outbox_ext.metrics_address": "'localhost-no-port'"}).init()
+    c.start()
+    try:
+        with c.connect() as conn:
+            conn.execute(f"CREATE DATABASE {DB}")
+        with c.connect(DB) as conn:
+            conn.execute("CREATE EXTENSION outbox_ext")  # makes the worker's role: it starts
+        wait_for(lambda: "no metrics: outbox_ext.metrics_address" in c.log(), timeout=30)
+        assert c.worker_pid(DB)
+    finally:
+        c.destroy()
+
+
+def test_a_restarted_worker_serves_again_and_prometheus_sees_it_back(served, prometheus):
+    cluster, port = served
+    with cluster.connect(DB) as conn:
+        conn.execute("SELECT outbox.create_consumer('watcher')")
+    wait_for(lambda: series(prometheus, "outbox_pending_events", "watcher") == 0, timeout=30)
+    old = cluster.worker_pid(DB)
+    with cluster.connect() as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (old,))
+    wait_for(lambda: cluster.worker_pid(DB) not in (None, old), timeout=60)
+    with cluster.connect(DB) as conn:
+        emit(conn, "watched", ["w1", "w2"])
+    # the new worker listens on the same port, and its figures reach Prometheus
+    wait_for(lambda: series(prometheus, "outbox_pending_events", "watcher") == 2, timeout=30)
+    assert prometheus('up{job="outbox"}') == {(): 1.0}
