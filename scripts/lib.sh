@@ -107,6 +107,13 @@ setup_machine() {
     prepare_pg_trees
 }
 
+# cargo pgrx install adds -Wl,--no-gc-sections to every crate's rustflags, to keep pgrx's
+# schema section where a linker would drop it (GNU ld here keeps it: SHF_GNU_RETAIN). With it,
+# cargo builds every dependency (librdkafka too) once more for `cargo test`, which must not
+# have the flag; without it both share one build. Were the section lost, the install would
+# fail loudly ("no embedded pgrx schema section found").
+export CARGO_PGRX_DISABLE_GC_SECTIONS_WORKAROUND=1
+
 # Build outbox_ext for MAJOR and install it into that private tree. PROFILE: debug or release.
 install_extension() {
     local major=$1 profile=${2:-debug} flags=()

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from pgcluster import Cluster
-from sinks import create_sink
+from sinks import Tansu, create_sink
 
 MAJORS = os.environ.get("OUTBOX_PG_MAJORS", "15 16 18").split()
 TEMPLATE = "outbox_template"
@@ -124,6 +124,14 @@ def new_sink(cluster, deliver_db):
     with cluster.connect(deliver_db) as conn:
         for name in names:
             conn.execute("SELECT outbox.drop_sink(%s)", (name,))
+
+
+@pytest.fixture(scope="module")
+def tansu():
+    """A real Kafka broker (Tansu, memory storage), one per test module that asks for it."""
+    broker = Tansu()
+    yield broker
+    broker.close()
 
 
 def keys_in_shard(db, shard: int, n: int) -> list[str]:

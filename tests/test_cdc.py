@@ -203,3 +203,19 @@ def test_a_lagging_slot_still_decodes_events_whose_partition_was_dropped(db, slo
     out = decode(db)
     assert [e["id"] for t in out.txns for e in t.inserts] == [event_id]
     assert out.txns[-1].inserts[0]["aggregate_id"] == "gone"
+
+
+def test_a_publication_with_a_column_list_leaves_the_internal_columns_out(db):
+    columns = ["id", "topic", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "created_at"]
+    db.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE outbox.events ({', '.join(columns)}) "
+               "WITH (publish = 'insert', publish_via_partition_root = true)")
+    db.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (SLOT,))
+    try:
+        event_id = emit(db, "listed")
+        out = decode(db)
+        [insert] = [e for t in out.txns for e in t.inserts]
+        assert insert.pop("_relation") == "outbox.events"
+        assert list(insert) == columns
+        assert insert == {k: v for k, v in stored_event(db, event_id, event_columns(db)).items() if k in columns}
+    finally:
+        db.execute("SELECT pg_drop_replication_slot(%s)", (SLOT,))

@@ -13,16 +13,9 @@ from collections import defaultdict
 
 import pytest
 
-from sinks import KafkaRestFront, Tansu, wait_for
+from sinks import KafkaRestFront, wait_for
 
 _topics = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def tansu():
-    broker = Tansu()
-    yield broker
-    broker.close()
 
 
 @pytest.fixture

@@ -22,13 +22,6 @@ _topics = itertools.count()
 PARTITIONS = 4
 
 
-@pytest.fixture(scope="module")
-def tansu():
-    broker = Tansu()
-    yield broker
-    broker.close()
-
-
 @pytest.fixture
 def topic(tansu):
     name = f"native{next(_topics)}"

@@ -8,9 +8,11 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import socket
 import subprocess
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -77,10 +79,18 @@ def prometheus(served):
 
 def _get(url: str) -> str | None:
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(url, timeout=10) as r:
             return r.read().decode()
     except (urllib.error.URLError, ConnectionError):
         return None
+
+
+def _status(url: str, method: str = "GET") -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def series(query, name: str, consumer: str) -> float | None:
@@ -144,11 +154,11 @@ def test_prometheus_scrapes_deliveries_failures_parked_keys_and_dead_letters(ser
 
     # each batch's delivery time: 5 events in one or more batches, 5 single-event requests
     for consumer, at_least in [("good", 1), ("choosy", 5)]:
-        count = series(prometheus, "outbox_request_duration_seconds_count", consumer)
+        count = series(prometheus, "outbox_delivery_duration_seconds_count", consumer)
         assert count is not None and count >= at_least
-        buckets = prometheus(f'outbox_request_duration_seconds_bucket{{consumer="{consumer}", le="+Inf"}}')
+        buckets = prometheus(f'outbox_delivery_duration_seconds_bucket{{consumer="{consumer}", le="+Inf"}}')
         assert list(buckets.values()) == [count]
-        assert series(prometheus, "outbox_request_duration_seconds_sum", consumer) > 0
+        assert series(prometheus, "outbox_delivery_duration_seconds_sum", consumer) > 0
     assert prometheus(f'outbox_worker_up{{database="{DB}"}}') == {(("database", DB),): 1.0}
     assert prometheus('up{job="outbox"}') == {(): 1.0}
     good.close()
@@ -164,24 +174,35 @@ def test_a_batch_out_at_a_hung_sink_is_in_flight(served, prometheus):
         return 200, {}, b""
 
     slow = Receiver(hang)
-    with cluster.connect(DB) as conn:
-        create_sink(conn, "slow", "webhook", slow.url, aggregate_types=["slow"], request_timeout="60 s")
-        emit(conn, "slow", ["s1"])
-        wait_for(lambda: series(prometheus, "outbox_batches_in_flight", "slow") == 1, timeout=30)
+    try:
+        with cluster.connect(DB) as conn:
+            create_sink(conn, "slow", "webhook", slow.url, aggregate_types=["slow"], request_timeout="60 s")
+            emit(conn, "slow", ["s1"])
+            wait_for(lambda: series(prometheus, "outbox_batches_in_flight", "slow") == 1, timeout=30)
+            release.set()
+            wait_for(lambda: series(prometheus, "outbox_batches_in_flight", "slow") == 0, timeout=30)
+            wait_for(lambda: series(prometheus, "outbox_delivered_events_total", "slow") == 1, timeout=30)
+    finally:
         release.set()
-        wait_for(lambda: series(prometheus, "outbox_batches_in_flight", "slow") == 0, timeout=30)
-        wait_for(lambda: series(prometheus, "outbox_delivered_events_total", "slow") == 1, timeout=30)
-    slow.close()
+        slow.close()
 
 
-def test_the_shipped_alerting_rules_load_and_evaluate(prometheus):
-    rules = json.loads(_get(f"{prometheus.api}/api/v1/rules"))["data"]["groups"]
-    loaded = {r["name"]: r for g in rules for r in g["rules"]}
-    assert set(loaded) == {"OutboxConsumerLagging", "OutboxWorkerDown", "OutboxDeadLetters"}
-    # evaluated against the scraped series without error (the worker is up: that one is quiet)
-    wait_for(lambda: all(r["health"] == "ok" for r in json.loads(
-        _get(f"{prometheus.api}/api/v1/rules"))["data"]["groups"][0]["rules"]), timeout=30)
-    assert loaded["OutboxWorkerDown"]["state"] == "inactive"
+def test_the_shipped_alerting_rules_load_and_a_dead_letter_fires_its_alert(served, prometheus):
+    cluster, _ = served
+    def rules():
+        groups = json.loads(_get(f"{prometheus.api}/api/v1/rules"))["data"]["groups"]
+        return {r["name"]: r for g in groups for r in g["rules"]}
+    assert set(rules()) == {"OutboxConsumerLagging", "OutboxWorkerDown", "OutboxDeadLetters"}
+    with cluster.connect(DB) as conn:   # a relay gives up on an event: a dead letter
+        conn.execute("SELECT outbox.create_consumer('giving_up')")
+        emit(conn, "doomed", ["d1"])
+        shard, epoch, event_id = conn.execute(
+            "SELECT shard, epoch, id FROM outbox.claim('giving_up')").fetchone()
+        conn.execute("SELECT outbox.reject('giving_up', %s, %s, %s, 'no')", (shard, epoch, event_id))
+    wait_for(lambda: any(a["labels"].get("consumer") == "giving_up" and a["state"] == "firing"
+                         for a in rules()["OutboxDeadLetters"]["alerts"]), timeout=30)
+    assert all(r["health"] == "ok" for r in rules().values())
+    assert rules()["OutboxWorkerDown"]["state"] == "inactive"
 
 
 def test_the_endpoint_shows_no_url_or_secret_and_serves_only_metrics(served):
@@ -194,22 +215,70 @@ def test_the_endpoint_shows_no_url_or_secret_and_serves_only_metrics(served):
     assert text.endswith("# EOF\n")
     for leak in ("private-path", "t0p", secret, "127.0.0.1:9/"):
         assert leak not in text
-    assert _get(f"http://127.0.0.1:{port}/other") is None  # 404
+    assert _status(f"http://127.0.0.1:{port}/other") == 404
+    assert _status(f"http://127.0.0.1:{port}/metrics", "POST") == 405
+    assert _status(f"http://127.0.0.1:{port}/metrics", "HEAD") == 405
 
 
-def test_a_bad_address_is_a_warning_not_a_crash(cluster):
-    """A worker given an address it cannot use says so once and delivers on."""
-    c = Cluster(cluster.major, {"outbox_ext.databases": f"'{DB}'",
-                                "outbox_ext.metrics_address": "'localhost-no-port'"}).init()
+def raw(port: int, data: bytes) -> bytes:
+    """Sends data on a connection of its own; what came back until the server closed it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
+        s.sendall(data)
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+        return reply
+
+
+def test_hostile_clients_cannot_take_the_endpoint_or_the_worker(served):
+    """A body announced as 70 TB, a head that never ends, clients that send nothing and a flood
+    of connections: each is refused or cut off, the worker lives on, and scrapes go on."""
+    cluster, port = served
+    pid = cluster.worker_pid(DB)
+    huge = raw(port, b"GET /metrics HTTP/1.1\r\nContent-Length: 70000000000000\r\n\r\n")
+    assert huge.startswith(b"HTTP/1.1 400")
+    endless = b"GET /metrics HTTP/1.1\r\nX-Filler: "
+    endless = raw(port, endless + b"a" * (8192 - len(endless)))  # all of it read: a clean close
+    assert endless.startswith(b"HTTP/1.1 431")
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=10)]
+    # a flood within the listen backlog (128): beyond it the kernel itself drops connections
+    flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(100)]
+    for s in flood:
+        s.close()
+    started = time.monotonic()
+    assert _get(f"http://127.0.0.1:{port}/metrics").endswith("# EOF\n")  # once the silent ones time out
+    assert time.monotonic() - started < 5 + 5
+    for s in silent:
+        s.close()
+    assert cluster.worker_pid(DB) == pid
+    assert "terminated by signal" not in cluster.log()  # no crash of the worker, no cluster restart
+
+
+@pytest.mark.parametrize("major", MAJORS, ids=[f"pg{m}" for m in MAJORS])
+@pytest.mark.parametrize("address", ["localhost-no-port", "taken"])
+def test_a_bad_or_taken_address_is_a_warning_and_the_worker_delivers_on(major, address):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    if address == "taken":
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+    c = Cluster(major, {"outbox_ext.databases": f"'{DB}'",
+                        "outbox_ext.metrics_address": f"'{address}'"}).init()
     c.start()
+    receiver = Receiver()
     try:
         with c.connect() as conn:
             conn.execute(f"CREATE DATABASE {DB}")
         with c.connect(DB) as conn:
             conn.execute("CREATE EXTENSION outbox_ext")  # makes the worker's role: it starts
-        wait_for(lambda: "no metrics: outbox_ext.metrics_address" in c.log(), timeout=30)
-        assert c.worker_pid(DB)
+            wait_for(lambda: "outbox_ext worker: no metrics:" in c.log(), timeout=30)
+            create_sink(conn, "hook", "webhook", receiver.url)
+            emit(conn, "any", ["a1"])
+            wait_for(lambda: len(receiver.accepted_events()) == 1, timeout=30)
+        assert c.log().count("outbox_ext worker: no metrics:") == 1
     finally:
+        receiver.close()
+        taken.close()
         c.destroy()
 
 

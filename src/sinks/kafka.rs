@@ -303,34 +303,38 @@ impl Batch {
 
     /// Record i's verdict, waited for until `deadline`.
     fn wait_for(&self, i: usize, deadline: Instant) -> Option<Verdict> {
-        let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            let v = verdicts.of.get(i).cloned().flatten();
-            let left = deadline.saturating_duration_since(Instant::now());
-            if v.is_some() || left.is_zero() {
-                verdicts.awaited = None;
-                return v;
-            }
-            verdicts.awaited = Some(i);
-            verdicts = match self.reported.wait_timeout(verdicts, left) {
-                Ok((v, _)) => v,
-                Err(e) => e.into_inner().0,
-            };
-        }
+        let mut verdicts = self.wait_until(deadline, |v| {
+            let reported = v.of.get(i).is_some_and(Option::is_some);
+            v.awaited = (!reported).then_some(i); // the report of i is to wake us
+            reported
+        });
+        verdicts.awaited = None;
+        verdicts.of.get(i).cloned().flatten()
     }
 
+    /// Waits until every record has its report, or `deadline`.
     fn wait(&self, deadline: Instant) {
+        drop(self.wait_until(deadline, |v| v.missing == 0));
+    }
+
+    /// Waits until `done` (asked under the lock) or `deadline`; returns the lock.
+    fn wait_until(
+        &self,
+        deadline: Instant,
+        mut done: impl FnMut(&mut Verdicts) -> bool,
+    ) -> std::sync::MutexGuard<'_, Verdicts> {
         let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
-        while verdicts.missing > 0 {
+        while !done(&mut verdicts) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return;
+                break;
             }
             verdicts = match self.reported.wait_timeout(verdicts, left) {
                 Ok((v, _)) => v,
                 Err(e) => e.into_inner().0,
             };
         }
+        verdicts
     }
 
     /// The verdicts; records with no report yet are retried, unless nothing was delivered at

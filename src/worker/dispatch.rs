@@ -51,6 +51,8 @@ pub struct Delivery {
     /// Shutting down: batches in flight are settled, no more are claimed.
     stopping: bool,
     metrics: Option<Metrics>,
+    /// The last failure to read outbox.status for the metrics (logged when it changes).
+    logged_status_error: Option<String>,
 }
 
 impl Delivery {
@@ -62,6 +64,7 @@ impl Delivery {
             next_flush: Instant::now() + FLUSH,
             stopping: false,
             metrics,
+            logged_status_error: None,
         })
     }
 
@@ -115,8 +118,9 @@ impl Delivery {
             }
         }
         if Instant::now() >= self.next_flush {
-            self.flush_figures()?;
+            let flushed = self.flush_figures();
             self.refresh_metrics();
+            flushed?;
         }
         match self.pool.total_in_flight() {
             0 => report_activity("idle"),
@@ -181,6 +185,9 @@ impl Delivery {
             Err(e) => {
                 warning!("outbox_ext: sink \"{name}\" is misconfigured: {e}");
                 self.sinks.remove(&name);
+                if let Some(metrics) = &self.metrics {
+                    metrics.forget(&name);
+                }
                 return;
             }
         };
@@ -247,9 +254,6 @@ impl Delivery {
     }
 
     fn settle(&mut self, done: Done) {
-        if let Some(metrics) = &self.metrics {
-            metrics.observe_batch(&done.batch.sink, done.took);
-        }
         let Some(sink) = self.sinks.get_mut(&done.batch.sink) else {
             // disabled (or dropped) while the batch was out: still record what became of it,
             // so that it is not sent again when the sink comes back (a dropped sink's
@@ -258,6 +262,9 @@ impl Delivery {
             self.pool.forget(&done.batch.sink);
             return;
         };
+        if let Some(metrics) = &self.metrics {
+            metrics.observe_batch(&done.batch.sink, done.took);
+        }
         let pause = match &done.outcome {
             Outcome::SinkDown { retry_after, .. } => {
                 // one step per pause, however many batches were out when the sink went down
@@ -359,12 +366,20 @@ impl Delivery {
         queries::record_figures(&figures)
     }
 
-    /// Gives the metrics what outbox.status says now (only while they are served).
-    fn refresh_metrics(&self) {
-        let Some(metrics) = &self.metrics else { return };
+    /// Gives the metrics what outbox.status says now, if someone scraped since the last time.
+    fn refresh_metrics(&mut self) {
+        let Some(metrics) = self.metrics.as_ref().filter(|m| m.wanted()) else {
+            return;
+        };
         match queries::consumer_status() {
             Ok(consumers) => metrics.refresh(consumers),
-            Err(e) => log!("outbox_ext worker: reading outbox.status for the metrics: {e}"),
+            Err(e) => {
+                let error = format!("reading outbox.status for the metrics: {e}");
+                if self.logged_status_error.as_ref() != Some(&error) {
+                    log!("outbox_ext worker: {error}");
+                }
+                self.logged_status_error = Some(error);
+            }
         }
     }
 }

@@ -1,13 +1,13 @@
-//! Prometheus metrics, served over HTTP by the worker when `outbox_ext.metrics_address` is set.
+//! Prometheus metrics, served over HTTP by the worker when `outbox_ext.metrics_address` is set
+//! (`scrapes` answers the requests).
 //!
 //! The serving thread never calls into PostgreSQL: it only encodes figures the main thread
 //! keeps up to date. Those are what the worker measures itself (how long each batch took to
-//! deliver, batches in flight) and what it reads from outbox.status every two seconds (pending
-//! events, lag, parked keys, dead letters, delivered and failed totals). Labels are the
-//! database and the consumer (a sink's consumer has the sink's name); no URL, secret or other
-//! sink setting appears in them.
+//! deliver, batches in flight) and what it reads from outbox.status, at most every two seconds
+//! and only while someone scrapes (pending events, lag, parked keys, dead letters, delivered
+//! and failed totals). Labels are the database and the consumer (a sink's consumer has the
+//! sink's name); no URL, secret or other sink setting appears in them.
 
-use super::pool::with_signals_blocked;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -18,6 +18,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -51,9 +52,11 @@ struct Snapshot {
 /// The main thread's handle: it records figures here; the serving thread reads them.
 pub struct Metrics {
     database: String,
-    request_seconds: Family<Labels, Histogram>,
+    delivery_seconds: Family<Labels, Histogram>,
     in_flight: Family<Labels, Gauge>,
     status: Arc<Mutex<Snapshot>>,
+    /// Set by each scrape: outbox.status is read again only for someone who looks.
+    scraped: Arc<AtomicBool>,
 }
 
 impl Metrics {
@@ -83,22 +86,21 @@ impl Metrics {
     fn serve(address: SocketAddr, database: &str) -> Result<Metrics, String> {
         let metrics = Metrics {
             database: database.to_owned(),
-            request_seconds: Family::new_with_constructor(|| {
+            delivery_seconds: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.001, 2.0, 16)) // 1 ms .. 33 s
             }),
             in_flight: Family::default(),
             status: Arc::default(),
+            scraped: Arc::new(AtomicBool::new(true)),
         };
         let registry = metrics.registry();
-        // tiny_http starts its threads here: they inherit the blocked signals
-        let server = with_signals_blocked(|| tiny_http::Server::http(address))
-            .map_err(|e| format!("cannot listen on {address}: {e}"))?;
-        with_signals_blocked(|| {
-            std::thread::Builder::new()
-                .name("outbox_ext metrics".into())
-                .spawn(move || answer_scrapes(&server, &registry))
-        })
-        .map_err(|e| format!("cannot start its thread: {e}"))?;
+        let scraped = Arc::clone(&metrics.scraped);
+        super::scrapes::serve(address, move || {
+            scraped.store(true, Ordering::Relaxed);
+            let mut body = String::new();
+            prometheus_client::encoding::text::encode(&mut body, &registry).ok()?;
+            Some(body)
+        })?;
         Ok(metrics)
     }
 
@@ -113,9 +115,9 @@ impl Metrics {
             up,
         );
         registry.register(
-            "outbox_request_duration_seconds",
-            "Time to deliver one claimed batch to the sink: its requests, or its Kafka records until their reports",
-            self.request_seconds.clone(),
+            "outbox_delivery_duration_seconds",
+            "Time to deliver one claimed batch to the sink: its HTTP requests, or its Kafka records until their reports",
+            self.delivery_seconds.clone(),
         );
         registry.register(
             "outbox_batches_in_flight",
@@ -137,7 +139,7 @@ impl Metrics {
     }
 
     pub fn observe_batch(&self, sink: &str, took: Duration) {
-        self.request_seconds
+        self.delivery_seconds
             .get_or_create(&self.labels(sink))
             .observe(took.as_secs_f64());
     }
@@ -150,8 +152,13 @@ impl Metrics {
 
     /// A sink that is gone: its series go too.
     pub fn forget(&self, sink: &str) {
-        self.request_seconds.remove(&self.labels(sink));
+        self.delivery_seconds.remove(&self.labels(sink));
         self.in_flight.remove(&self.labels(sink));
+    }
+
+    /// Whether outbox.status is to be read again: someone scraped since the last refresh.
+    pub fn wanted(&self) -> bool {
+        self.scraped.swap(false, Ordering::Relaxed)
     }
 
     pub fn refresh(&self, consumers: Vec<ConsumerStatus>) {
@@ -163,32 +170,6 @@ impl Metrics {
             refreshed_at,
         };
     }
-}
-
-fn answer_scrapes(server: &tiny_http::Server, registry: &Registry) {
-    for request in server.incoming_requests() {
-        let path = request.url().split('?').next().unwrap_or_default();
-        let response = if *request.method() == tiny_http::Method::Get && path == "/metrics" {
-            let mut body = String::new();
-            match prometheus_client::encoding::text::encode(&mut body, registry) {
-                Ok(()) => tiny_http::Response::from_string(body).with_header(content_type(
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                )),
-                Err(_) => {
-                    tiny_http::Response::from_string("encoding failed\n").with_status_code(500)
-                }
-            }
-        } else {
-            tiny_http::Response::from_string("only GET /metrics is served here\n")
-                .with_status_code(404)
-        };
-        let _ = request.respond(response);
-    }
-}
-
-fn content_type(value: &str) -> tiny_http::Header {
-    tiny_http::Header::from_bytes(&b"Content-Type"[..], value.as_bytes())
-        .expect("a constant, valid header")
 }
 
 /// Encodes the last snapshot of outbox.status at each scrape.

@@ -13,6 +13,7 @@ mod dispatch;
 mod metrics;
 pub(crate) mod pool;
 mod queries;
+mod scrapes;
 mod session;
 
 use crate::{gucs, wake};

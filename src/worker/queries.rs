@@ -29,31 +29,38 @@ pub struct SinkRow {
 }
 
 pub fn load_sinks() -> Result<Vec<SinkRow>, String> {
+    let columns: Vec<SinkColumns> = select_rows(
+        "sink",
+        "SELECT s.name, s.kind, s.url, s.format, s.topics, s.aggregate_types,
+                s.batch_size, s.concurrency,
+                pg_catalog.date_part('epoch', s.connect_timeout) AS connect_timeout,
+                pg_catalog.date_part('epoch', s.request_timeout) AS request_timeout,
+                s.secret, s.http_headers, s.tls_ca, s.topic_map, s.cluster_id,
+                s.compression, pg_catalog.date_part('epoch', s.linger) AS linger,
+                s.sasl_mechanism, s.sasl_username, s.updated_at::text AS stamp
+           FROM outbox.sinks s WHERE s.enabled ORDER BY s.name",
+    )?;
+    Ok(columns
+        .into_iter()
+        .filter_map(SinkColumns::into_row)
+        .collect())
+}
+
+/// The rows of `query`, each read by column name into a T (through row_to_json), in a
+/// transaction of its own; a row that does not fit is left out with a WARNING naming `what`.
+fn select_rows<T: serde::de::DeserializeOwned>(what: &str, query: &str) -> Result<Vec<T>, String> {
     in_transaction(|| {
         Spi::connect(|client| {
-            // one JSON object per sink, read by column name into SinkColumns
-            let rows = client.select(
-                "SELECT pg_catalog.row_to_json(r)::text FROM (
-                     SELECT s.name, s.kind, s.url, s.format, s.topics, s.aggregate_types,
-                            s.batch_size, s.concurrency,
-                            pg_catalog.date_part('epoch', s.connect_timeout) AS connect_timeout,
-                            pg_catalog.date_part('epoch', s.request_timeout) AS request_timeout,
-                            s.secret, s.http_headers, s.tls_ca, s.topic_map, s.cluster_id,
-                            s.compression, pg_catalog.date_part('epoch', s.linger) AS linger,
-                            s.sasl_mechanism, s.sasl_username, s.updated_at::text AS stamp
-                       FROM outbox.sinks s WHERE s.enabled ORDER BY s.name) AS r",
-                None,
-                &[],
-            )?;
-            let mut sinks = Vec::new();
-            for row in rows {
+            let json_rows = format!("SELECT pg_catalog.row_to_json(r)::text FROM ({query}) AS r");
+            let mut rows = Vec::new();
+            for row in client.select(&json_rows, None, &[])? {
                 let json = row.get::<String>(1)?.unwrap_or_default();
-                match serde_json::from_str::<SinkColumns>(&json) {
-                    Ok(columns) => sinks.extend(columns.into_row()),
-                    Err(e) => warning!("outbox_ext worker: unreadable sink row: {e}"),
+                match serde_json::from_str(&json) {
+                    Ok(t) => rows.push(t),
+                    Err(e) => warning!("outbox_ext worker: unreadable {what} row: {e}"),
                 }
             }
-            Ok::<_, pgrx::spi::Error>(sinks)
+            Ok::<_, pgrx::spi::Error>(rows)
         })
     })?
     .map_err(|e| e.to_string())
@@ -118,30 +125,14 @@ impl SinkColumns {
 
 /// Every consumer's row of outbox.status, for the metrics (ages and times in seconds).
 pub fn consumer_status() -> Result<Vec<super::metrics::ConsumerStatus>, String> {
-    in_transaction(|| {
-        Spi::connect(|client| {
-            let rows = client.select(
-                "SELECT pg_catalog.row_to_json(r)::text FROM (
-                     SELECT s.consumer, s.pending, s.parked_keys, s.parked_events, s.dead_letters,
-                            pg_catalog.date_part('epoch', s.lag) AS lag,
-                            pg_catalog.date_part('epoch', s.oldest_pending_at) AS oldest_pending_at,
-                            s.delivered_total, s.failed_total
-                       FROM outbox.status s) AS r",
-                None,
-                &[],
-            )?;
-            let mut consumers = Vec::new();
-            for row in rows {
-                let json = row.get::<String>(1)?.unwrap_or_default();
-                match serde_json::from_str(&json) {
-                    Ok(status) => consumers.push(status),
-                    Err(e) => warning!("outbox_ext worker: unreadable outbox.status row: {e}"),
-                }
-            }
-            Ok::<_, pgrx::spi::Error>(consumers)
-        })
-    })?
-    .map_err(|e| e.to_string())
+    select_rows(
+        "outbox.status",
+        "SELECT s.consumer, s.pending, s.parked_keys, s.parked_events, s.dead_letters,
+                pg_catalog.date_part('epoch', s.lag) AS lag,
+                pg_catalog.date_part('epoch', s.oldest_pending_at) AS oldest_pending_at,
+                s.delivered_total, s.failed_total
+           FROM outbox.status s",
+    )
 }
 
 /// Takes back the leases a dead worker left on this sink's shards.
@@ -157,9 +148,11 @@ pub fn take_back_leases(sink: &str) -> Result<i32, String> {
 }
 
 /// The columns of a claimed event the worker reads (`read_batch` takes them in this order).
+/// created_at as to_json writes it (ISO 8601 whatever DateStyle), its quotes trimmed: no
+/// JSON is parsed back per event.
 const CLAIMED: &str = "c.shard, c.epoch, c.id::text, c.topic, c.aggregate_type, c.aggregate_id,
      c.event_type, c.payload::text, c.headers::text,
-     pg_catalog.to_json(c.created_at) OPERATOR(pg_catalog.#>>) '{}', c.attempt";
+     pg_catalog.btrim(pg_catalog.to_json(c.created_at)::text, '\"'), c.attempt";
 
 /// Claims the next batch (at most batch_size events) of one shard of the sink, or None when no
 /// shard has work.
