@@ -568,17 +568,12 @@ END
 $$;
 
 -- The bound every window a claim opens closes at: the event seq, then a fresh xid (see the
--- header), taken before the transaction writes anything. Once a second it is also recorded as
--- a mark (outbox._marks).
-CREATE OR REPLACE FUNCTION outbox._claim_bound(func text, OUT seq bigint, OUT x xid8)
+-- header), taken before the transaction writes anything (_check_claim refused a transaction
+-- that had). Once a second it is also recorded as a mark (outbox._marks).
+CREATE OR REPLACE FUNCTION outbox._claim_bound(OUT seq bigint, OUT x xid8)
     LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
-    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
-        RAISE EXCEPTION '% must come before any write in its transaction', func
-            USING ERRCODE = 'active_sql_transaction',
-                  HINT = 'Call it in a transaction of its own (autocommit is fine).';
-    END IF;
     seq := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
     x := pg_current_xact_id();
     IF coalesce((SELECT m.at FROM outbox._marks m ORDER BY m.top DESC LIMIT 1), '-infinity')
@@ -588,10 +583,17 @@ BEGIN
 END
 $$;
 
+-- A claim's arguments, and that its transaction has not written yet (its bound must come first,
+-- even when it finds nothing: the rule does not depend on the backlog).
 CREATE OR REPLACE FUNCTION outbox._check_claim(batch_size int, lease interval, func text) RETURNS void
-    LANGUAGE plpgsql IMMUTABLE
+    LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
+    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
+        RAISE EXCEPTION '% must come before any write in its transaction', func
+            USING ERRCODE = 'active_sql_transaction',
+                  HINT = 'Call it in a transaction of its own (autocommit is fine).';
+    END IF;
     PERFORM outbox._not_null(batch_size IS NULL, 'batch_size', func);
     PERFORM outbox._not_null(lease IS NULL, 'lease', func);
     PERFORM outbox._check_interval(lease, 'lease', '1 day', false);
@@ -633,6 +635,29 @@ BEGIN
             cur := NULL;
         END IF;
     END IF;
+END
+$$;
+
+-- Whether a claim could find anything for the consumer: a shard with parked keys, a window
+-- open, a restored cursor, or an event above its floor — what _free_cursor asks of each shard,
+-- asked of all of them in one read-only statement, without locking a shard or taking an xid.
+-- False means every shard's _free_cursor would find nothing to read, so a claim with nothing to
+-- do (an idle relay's poll) stops here and writes nothing: no row lock, no mark, no commit
+-- record. True may still find nothing (a lease, a lock, events not yet committed).
+CREATE OR REPLACE FUNCTION outbox._may_have_work(consumer_id int) RETURNS boolean
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    RETURN EXISTS (
+        SELECT FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
+         CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
+                              WHERE l.consumer_id = _may_have_work.consumer_id AND l.shard = s.shard
+                              ORDER BY l.pos DESC LIMIT 1) AS cur
+         WHERE (cur.l).hi_snap IS NOT NULL OR (cur.l).restored_seq IS NOT NULL
+            OR EXISTS (SELECT FROM outbox._parked p
+                        WHERE p.consumer_id = _may_have_work.consumer_id AND p.shard = s.shard)
+            OR EXISTS (SELECT FROM outbox.events e
+                        WHERE e.shard = s.shard AND e.seq > outbox._pending_floor(cur.l)));
 END
 $$;
 
@@ -1159,7 +1184,10 @@ BEGIN
         RETURN;  -- this transaction rebased a restored database (it wrote): claim in the next
     END IF;
     PERFORM outbox._check_claim(batch_size, lease, 'outbox.claim');
-    b := outbox._claim_bound('outbox.claim');
+    IF NOT outbox._may_have_work(c.id) THEN
+        RETURN;  -- nothing to read: no bound taken, nothing written
+    END IF;
+    b := outbox._claim_bound();
     RETURN QUERY SELECT * FROM outbox._claim(c, batch_size, lease,
                                              coalesce(owner, 'backend ' || pg_backend_pid()), b.seq, b.x);
 END
@@ -1229,10 +1257,10 @@ BEGIN
     list := outbox._failures(failures);
     PERFORM outbox._check_claim(batch_size, lease, 'outbox.settle_and_claim');
     IF NOT rebased THEN
-        b := outbox._claim_bound('outbox.settle_and_claim');  -- before settling writes anything
+        b := outbox._claim_bound();  -- before settling writes anything
     END IF;
     PERFORM outbox._settle(c, outbox._leased(c.id, shard, epoch), list);
-    IF NOT rebased THEN
+    IF NOT rebased AND outbox._may_have_work(c.id) THEN
         RETURN QUERY SELECT * FROM outbox._claim(c, batch_size, lease,
                                                  coalesce(owner, 'backend ' || pg_backend_pid()), b.seq, b.x);
     END IF;

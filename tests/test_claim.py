@@ -422,3 +422,41 @@ def test_a_shard_with_a_parked_key_hands_out_the_others_in_commit_order(db, cons
     assert [(e.aggregate_id, e.payload["i"]) for e in batch] == [(b, i) for i in range(3, 9)]
     queued = db.execute("SELECT (payload->>'i')::int FROM outbox._parked_events ORDER BY pos").fetchall()
     assert [r[0] for r in queued] == list(range(9)), "a's events queue in order"
+
+
+def test_a_claim_with_nothing_to_read_locks_nothing_and_writes_nothing(db, connect, consumer):
+    """An idle relay's poll: no xid, no shard row locked, no mark or cursor row written, so it
+    costs no WAL and no commit; events and parked keys are still found at once."""
+    emit(db, "k", 3)
+    Relay(db, consumer, batch_size=100).drain()
+    marks, cursors = (db.execute(f"SELECT count(*) FROM outbox.{t}").fetchone()[0] for t in ("_marks", "_cursor_log"))
+    with db.transaction():
+        assert db.execute("SELECT count(*) FROM outbox.claim('sink')").fetchone()[0] == 0
+        assert db.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None
+        assert db.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' "
+                          "AND pid = pg_backend_pid()").fetchone()[0] == 0
+    assert (db.execute("SELECT count(*) FROM outbox._marks").fetchone()[0],
+            db.execute("SELECT count(*) FROM outbox._cursor_log").fetchone()[0]) == (marks, cursors)
+    emit(db, "k2")
+    assert len(connect().execute("SELECT * FROM outbox.claim('sink')").fetchall()) == 1
+
+
+def test_a_parked_key_coming_due_is_claimed_with_no_new_event(db, consumer):
+    emit(db, "k")
+    relay = Relay(db, consumer)
+    batch = relay.claim()
+    relay.nack(batch[0], "down")
+    relay.ack(batch[0].shard, batch[0].epoch)
+    db.execute("UPDATE outbox._parked SET next_attempt_at = now()")
+    assert [e.id for e in relay.claim()] == [batch[0].id]
+
+
+def test_a_claim_after_a_write_is_refused_even_with_nothing_to_read(db, consumer):
+    with pytest.raises(psycopg.errors.ActiveSqlTransaction) as err, db.transaction():
+        db.execute("SELECT outbox.emit('order', 'x', 'e', '{}')")
+        db.execute("SELECT * FROM outbox.claim('sink')")
+    assert err.value.diag.message_hint
+    with pytest.raises(psycopg.errors.ActiveSqlTransaction), db.transaction():
+        db.execute("CREATE TEMP TABLE t (x int)")
+        db.execute("INSERT INTO t VALUES (1)")   # any write, nothing pending at all
+        db.execute("SELECT * FROM outbox.claim('sink')")
