@@ -107,11 +107,11 @@ setup_machine() {
     prepare_pg_trees
 }
 
-# cargo pgrx install adds -Wl,--no-gc-sections to every crate's rustflags, to keep pgrx's
-# schema section where a linker would drop it (GNU ld here keeps it: SHF_GNU_RETAIN). With it,
-# cargo builds every dependency (librdkafka too) once more for `cargo test`, which must not
-# have the flag; without it both share one build. Were the section lost, the install would
-# fail loudly ("no embedded pgrx schema section found").
+# cargo pgrx install would add -Wl,--no-gc-sections to every crate's rustflags, to keep pgrx's
+# schema section where a linker might drop it; GNU ld here keeps it (SHF_GNU_RETAIN), and a
+# lost section fails the install loudly ("no embedded pgrx schema section found"). Turned off
+# so that the install's crates are built like `cargo test`'s, which must not have the flag.
+# (`cargo test` still builds most dependencies again: its dev-dependencies change their features.)
 export CARGO_PGRX_DISABLE_GC_SECTIONS_WORKAROUND=1
 
 # Build outbox_ext for MAJOR and install it into that private tree. PROFILE: debug or release.
