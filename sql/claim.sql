@@ -41,8 +41,8 @@
 -- the whole session, each claim slower as the table grew; and a custom plan of a window,
 -- costed with its actual bounds, would rather sort a whole backlog.
 --
--- Rerunnable (upgrade scripts include it): tables and indexes only where missing, functions
--- replaced. A changed table needs its own ALTER in the upgrade script.
+-- Rerunnable: tables and indexes only where missing, functions replaced. A changed table needs
+-- its own ALTER in the upgrade script.
 
 CREATE TABLE IF NOT EXISTS outbox.consumers (
     id           int         GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

@@ -5,7 +5,7 @@
 -- Name resolution (sql/grants.sql): _undelivered is [pinned]; the trigger function is [native]
 -- and runs one statement, SELECT outbox._undelivered().
 --
--- Rerunnable (upgrade scripts include it).
+-- Rerunnable.
 
 -- What would be lost, per consumer, or NULL when nothing would.
 CREATE OR REPLACE FUNCTION outbox._undelivered() RETURNS text

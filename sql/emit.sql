@@ -1,6 +1,6 @@
 -- outbox_ext: emit. Writes events in the caller's transaction: they exist if and only if it
 -- commits. Validation and ids come from Rust (src/emit); a bad row raises and the statement
--- writes nothing. Rerunnable (upgrade scripts include it).
+-- writes nothing. Rerunnable.
 -- Name resolution (sql/grants.sql): emit is [native], emit_many [pinned].
 
 COMMENT ON FUNCTION outbox.uuid_v7() IS

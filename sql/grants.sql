@@ -1,6 +1,6 @@
--- outbox_ext: privileges, all in one place. Runs last (finalize); rerunnable (upgrade
--- scripts include it): it first takes back every privilege our roles and PUBLIC hold on our
--- objects, then grants exactly what each role needs.
+-- outbox_ext: privileges, all in one place. Runs last (finalize); rerunnable: it first takes
+-- back every privilege our roles and PUBLIC hold on our objects, then grants exactly what each
+-- role needs. (An upgrade script grants only what its version adds; see README, Development.)
 --
 -- Rules:
 -- - Nothing is granted to PUBLIC.

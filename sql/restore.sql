@@ -27,7 +27,7 @@
 -- Name resolution (sql/grants.sql): the trigger functions are [pinned]; _rebase and
 -- _rebase_if_restored run [inside] pinned functions.
 --
--- Rerunnable (upgrade scripts include it).
+-- Rerunnable.
 
 CREATE TABLE IF NOT EXISTS outbox._origin (
     one             boolean     PRIMARY KEY DEFAULT true CHECK (one),  -- a single row

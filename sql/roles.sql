@@ -1,4 +1,4 @@
--- outbox_ext: schemas and roles. Runs first (bootstrap); rerunnable (upgrade scripts include it).
+-- outbox_ext: schemas and roles. Runs first (bootstrap); rerunnable.
 --
 -- Roles are cluster-wide, so they are created only where missing: CREATE EXTENSION in a
 -- second database, or after DROP EXTENSION, must not fail on them.

@@ -3,7 +3,7 @@
 -- Only outbox_admin can read or change this table: it holds secrets. The worker rereads it
 -- every second, so changes apply without a restart.
 --
--- Rerunnable (upgrade scripts include it): tables only where missing, functions replaced.
+-- Rerunnable: tables only where missing, functions replaced.
 -- Name resolution (sql/grants.sql): the trigger function is [pinned], create_sink and drop_sink
 -- are [caller], outbox._check_sink_settings is [native], _check_kafka_settings is [pinned],
 -- _is_string_map is [parsed].

@@ -11,7 +11,7 @@ import os
 import psycopg
 import pytest
 
-from pgcluster import Cluster
+from pgcluster import Cluster, install_released_scripts
 from sinks import Tansu, create_sink
 
 MAJORS = os.environ.get("OUTBOX_PG_MAJORS", "15 16 18").split()
@@ -23,6 +23,7 @@ _counter = itertools.count()
 
 @pytest.fixture(scope="session", params=MAJORS, ids=[f"pg{m}" for m in MAJORS])
 def cluster(request):
+    install_released_scripts(request.param)
     # the background worker serves these databases (tests/test_worker.py creates worker_db;
     # deliver_db, below, is where the delivery tests create their sinks)
     c = Cluster(request.param, {"outbox_ext.databases": f"'worker_db, {DELIVER_DB}, {SECURITY_DB}'",

@@ -24,6 +24,16 @@ PG_CONFIG = {
 }
 
 
+def install_released_scripts(major: str) -> None:
+    """Put the released install scripts the upgrade tests start from (tests/fixtures) beside the
+    ones `cargo pgrx install` ships; every later released version is reached through the
+    upgrade scripts, as PostgreSQL does when a version has no install script of its own."""
+    share = subprocess.run([str(PG_CONFIG[major]), "--sharedir"], check=True, capture_output=True,
+                           text=True).stdout.strip()
+    for script in (ROOT / "tests/fixtures").glob("outbox_ext--*.sql"):
+        shutil.copyfile(script, Path(share) / "extension" / script.name)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,34 +1,22 @@
--- outbox_ext 0.3.0 -> 0.4.0
+-- outbox_ext 0.1.0 -> 0.2.0
 --
--- Why: 0.4.0 makes claims and bulk emit cheaper. Opening a commit window looks for the events
--- of late transactions one transaction at a time, on index entries (it read the heap of the
--- whole backlog before); the internal claim helpers no longer set search_path on every call
--- (the SECURITY DEFINER API functions that call them pin it). outbox.emit_many writes through
--- outbox._insert_many (Rust, new), as COPY does, and falls back to its INSERT. outbox.maintain()
--- drops old partitions before it creates new ones, each drop waiting at most a second for its
--- lock (a deadlock with readers was possible). Only functions change: events, consumers,
--- cursors, parked keys and dead letters are not touched.
+-- Why: 0.2.0 adds the inbox (inbox.claim: dedup for idempotent consumers) and partition
+-- maintenance (outbox.maintain, outbox.partition_config, outbox.partitions), which replaces
+-- outbox._ensure_partitions, and the outbox.status and outbox.shard_status views. Claims skip
+-- work they did for nothing (two planner settings set on every page, a DELETE on every ack).
+-- Events, consumers, cursors, parked keys and dead letters are not touched: pending events
+-- stay pending, in order.
 --
--- Rerunnable. Frozen: the files of sql/ it included are expanded as they were in 0.4.0.
-\echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.4.0'" to load this file. \quit
+-- A delta: what changed from 0.1.0 to 0.2.0 (ALTERs, guarded DROPs, changed functions, views
+-- and comments, new grants), rerunnable. Released: never edit it.
+\echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.2.0'" to load this file. \quit
 
--- As pgrx declares it (src/emit/insert.rs).
-CREATE OR REPLACE FUNCTION outbox."_insert_many"(
-    "aggregate_type" TEXT,
-    "event_type" TEXT,
-    "headers" jsonb,
-    "topic" TEXT,
-    "aggregate_ids" TEXT[],
-    "payloads" anyarray,
-    "shard_count" INT
-) RETURNS uuid[]
-VOLATILE PARALLEL UNSAFE
-LANGUAGE c
-AS 'MODULE_PATHNAME', 'insert_many_wrapper';
+DROP FUNCTION IF EXISTS outbox._ensure_partitions(regclass, interval, int);
+DROP FUNCTION IF EXISTS outbox._partition_name(text, timestamptz);  -- a parameter was renamed
 
 -- outbox_ext: emit. Writes events in the caller's transaction: they exist if and only if it
 -- commits. Validation and ids come from outbox._event_id (Rust); a bad row raises and the
--- statement writes nothing. Rerunnable (upgrade scripts include it).
+-- statement writes nothing. Rerunnable.
 
 COMMENT ON FUNCTION outbox.uuid_v7() IS
     'A new time-ordered UUID (version 7), as emit gives events. Example: SELECT outbox.uuid_v7();';
@@ -58,9 +46,6 @@ BEGIN
     RETURN new_id;
 END
 $$;
-COMMENT ON FUNCTION outbox.emit(text, text, text, jsonb, jsonb, text) IS
-    'Writes one event in the caller''s transaction and returns its id. '
-    'Example: SELECT outbox.emit(''order'', ''42'', ''order.created'', ''{"total": 10}'');';
 
 CREATE OR REPLACE FUNCTION outbox.emit_many(
     aggregate_type text,
@@ -88,26 +73,16 @@ BEGIN
             USING ERRCODE = 'array_subscript_error',
                   HINT = 'Pass one payload per aggregate id, in the same order.';
     END IF;
-    -- Natively, as COPY writes (see src/emit/insert.rs); NULL when the table needs a plain
-    -- INSERT (triggers, constraints, no partition for now()).
-    ids := outbox._insert_many(aggregate_type, event_type, headers, topic, aggregate_ids, payloads,
-                               outbox.shard_count());
-    IF ids IS NULL THEN
-        ids := outbox._batch_ids(aggregate_type, event_type, headers, topic, aggregate_ids,
-                                 (SELECT max(pg_column_size(p)) FROM unnest(payloads) AS p));
-        INSERT INTO outbox.events
-            (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, txid, shard)
-        SELECT u.id, emit_many.topic, emit_many.aggregate_type, u.key, emit_many.event_type,
-               u.payload, emit_many.headers, tx, outbox.shard_of(u.key)
-        FROM unnest(ids, aggregate_ids, payloads) AS u(id, key, payload);
-    END IF;
+    ids := outbox._batch_ids(aggregate_type, event_type, headers, topic, aggregate_ids,
+                             (SELECT max(pg_column_size(p)) FROM unnest(payloads) AS p));
+    INSERT INTO outbox.events
+        (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, txid, shard)
+    SELECT u.id, emit_many.topic, emit_many.aggregate_type, u.key, emit_many.event_type,
+           u.payload, emit_many.headers, tx, outbox.shard_of(u.key)
+    FROM unnest(ids, aggregate_ids, payloads) AS u(id, key, payload);
     RETURN QUERY SELECT unnest(ids);
 END
 $$;
-COMMENT ON FUNCTION outbox.emit_many(text, text, text[], jsonb[], jsonb, text) IS
-    'Writes one event per (aggregate id, payload) pair in one statement, in array order, and '
-    'returns their ids. Example: SELECT outbox.emit_many(''order'', ''order.created'', '
-    'ARRAY[''1'',''2''], ARRAY[''{}''::jsonb, ''{}'']);';
 -- outbox_ext: consumers and claims — commit-ordered, per-key ordered reading of the event log.
 --
 -- How a consumer reads a shard without gaps (PgQ's idea, per shard):
@@ -138,11 +113,7 @@ COMMENT ON FUNCTION outbox.emit_many(text, text, text[], jsonb[], jsonb, text) I
 -- exponential backoff and jitter; after max_attempts it goes to outbox.dead_letters and the key
 -- moves on. When the queue is empty the key is unparked and flows with its shard again.
 --
--- Internal helpers (outbox._*) do not pin search_path: only the SECURITY DEFINER API functions
--- below call them, and those pin it. A SET clause on every helper would cost each call a GUC
--- save and restore and a new search path lookup, about 5% of a claim.
---
--- Rerunnable (upgrade scripts include it): tables and indexes only where missing, functions
+-- Rerunnable: tables and indexes only where missing, functions
 -- replaced. A changed table needs its own ALTER in the upgrade script.
 
 CREATE TABLE IF NOT EXISTS outbox.consumers (
@@ -153,8 +124,6 @@ CREATE TABLE IF NOT EXISTS outbox.consumers (
     backoff_max  interval    NOT NULL DEFAULT '10 minutes' CHECK (backoff_max > '0'),
     created_at   timestamptz NOT NULL DEFAULT now()
 );
-COMMENT ON TABLE outbox.consumers IS
-    'Named readers of the event log (one per sink); each has its own cursor in every shard.';
 
 -- What claims lock (FOR UPDATE SKIP LOCKED) to take a shard; never updated.
 CREATE TABLE IF NOT EXISTS outbox._shards (
@@ -241,8 +210,6 @@ CREATE TABLE IF NOT EXISTS outbox.dead_letters (
 );
 CREATE INDEX IF NOT EXISTS dead_letters_consumer_aggregate_id_id_idx
     ON outbox.dead_letters (consumer, aggregate_id, id);
-COMMENT ON TABLE outbox.dead_letters IS
-    'Events a consumer gave up on after max_attempts, with the last error; outbox.replay re-queues them.';
 
 -- Marks: (seq, then a fresh xid) pairs that claims record at most once a second. A
 -- transaction with a greater xid has only events above the mark's seq, which gives every
@@ -274,15 +241,13 @@ BEGIN
 EXCEPTION WHEN duplicate_object THEN NULL;  -- rerun: the type is there
 END
 $type$;
-COMMENT ON TYPE outbox.claimed IS
-    'A claimed event: ack or nack it with (shard, epoch); attempt is 1 + its earlier failures.';
 
 ---------------------------------------------------------------------------------------------
 -- Internals
 ---------------------------------------------------------------------------------------------
 
 CREATE OR REPLACE FUNCTION outbox._consumer(name text) RETURNS outbox.consumers
-    LANGUAGE plpgsql STABLE
+    LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     c outbox.consumers;
@@ -298,7 +263,7 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION outbox._check_shard(shard int) RETURNS void
-    LANGUAGE plpgsql IMMUTABLE
+    LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF shard IS NULL OR shard < 0 OR shard >= outbox.shard_count() THEN
@@ -312,7 +277,7 @@ $$;
 
 -- The newest cursor row of a (consumer, shard).
 CREATE OR REPLACE FUNCTION outbox._cursor(consumer_id int, shard int) RETURNS outbox._cursor_log
-    LANGUAGE plpgsql STABLE
+    LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     cur outbox._cursor_log;
@@ -325,7 +290,7 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION outbox._append(cur outbox._cursor_log) RETURNS void
-    LANGUAGE plpgsql VOLATILE
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     INSERT INTO outbox._cursor_log
@@ -344,7 +309,7 @@ $$;
 -- (Helpers on the claim path are plpgsql, not SQL: plpgsql keeps their plans for the session,
 -- while a SQL function called from plpgsql is planned again in every transaction.)
 CREATE OR REPLACE FUNCTION outbox._in_progress(snap pg_snapshot, x xid8) RETURNS xid8[]
-    LANGUAGE plpgsql IMMUTABLE
+    LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     RETURN ARRAY(SELECT t FROM pg_snapshot_xip(snap) AS t
@@ -365,7 +330,7 @@ CREATE OR REPLACE FUNCTION outbox._top(snap pg_snapshot, x xid8) RETURNS xid8
 -- Transactions of lo's in-progress list that the cursor's hi sees finished, with the lowest
 -- of their floors: part (b) of the window.
 CREATE OR REPLACE FUNCTION outbox._late(cur outbox._cursor_log, OUT txids xid8[], OUT floor_seq bigint)
-    LANGUAGE plpgsql IMMUTABLE
+    LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     SELECT coalesce(array_agg(u.t), '{}'), min(u.f) INTO txids, floor_seq
@@ -379,11 +344,9 @@ $$;
 -- lo.seq (it began after lo's mark), raised to the newest mark below it; x itself, seq_mark.
 -- Then find, once, the seq range that holds the events of part (b), bounded above by the seq
 -- read after the snapshot: pages of the window scan only that range for them.
--- Generic plans: custom ones would plan the scan of every partition again in each of a
--- session's first windows.
 CREATE OR REPLACE FUNCTION outbox._open_window(cur outbox._cursor_log, seq_mark bigint, x xid8)
 RETURNS outbox._cursor_log
-    LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_generic_plan
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     late    record;
@@ -404,15 +367,10 @@ BEGIN
     late := outbox._late(cur);
     cur.late_from := NULL; cur.late_to := NULL;
     IF cardinality(late.txids) > 0 THEN
-        -- One pass over the range per transaction (there are few), txid = t checked on the
-        -- index entries: only their events' rows are visited. (txid = ANY (array) is checked
-        -- on the heap rows instead, and a min/max plan would walk the range twice.)
         SELECT min(e.seq), max(e.seq) INTO cur.late_from, cur.late_to
-          FROM unnest(late.txids) AS t
-         CROSS JOIN LATERAL (SELECT e.seq FROM outbox.events e
-                              WHERE e.shard = cur.shard AND e.seq > late.floor_seq
-                                AND e.seq <= seq_end AND e.txid = t
-                             OFFSET 0) AS e;
+          FROM outbox.events e
+         WHERE e.shard = cur.shard AND e.seq > late.floor_seq AND e.seq <= seq_end
+           AND e.txid = ANY (late.txids);
     END IF;
     cur.after_seq := NULL;
     RETURN cur;
@@ -423,7 +381,7 @@ $$;
 -- window is exhausted, no window yet after its upper bound.
 CREATE OR REPLACE FUNCTION outbox._advance(cur outbox._cursor_log, batch_end bigint, exhausted boolean)
 RETURNS outbox._cursor_log
-    LANGUAGE plpgsql IMMUTABLE
+    LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF exhausted THEN
@@ -448,6 +406,7 @@ $$;
 CREATE OR REPLACE FUNCTION outbox._window(shard int, cur outbox._cursor_log, upto bigint, lim int)
 RETURNS SETOF outbox.events
     LANGUAGE plpgsql STABLE
+    SET search_path = pg_catalog, pg_temp
     SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
@@ -476,7 +435,7 @@ $$;
 
 -- Lock a shard for ack/nack/release and return its cursor, refusing a stale epoch.
 CREATE OR REPLACE FUNCTION outbox._leased(consumer_id int, shard int, epoch bigint) RETURNS outbox._cursor_log
-    LANGUAGE plpgsql VOLATILE
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     cur outbox._cursor_log;
@@ -503,11 +462,11 @@ CREATE OR REPLACE FUNCTION outbox._backoff(c outbox.consumers, attempts int) RET
     RETURN least(c.backoff_max, c.backoff_base * power(2, least(attempts - 1, 30)))
            * (0.5 + random() / 2);
 
--- The head of a parked key failed: count it, schedule the retry; past max_attempts (or at once
--- when the failure is final) move the head to dead_letters and let the key move on.
+-- The head of a parked key failed: count it, schedule the retry; past max_attempts move the
+-- head to dead_letters and let the key move on.
 CREATE OR REPLACE FUNCTION outbox._head_failed(c outbox.consumers, key text, error text,
-                                    retry_after interval, epoch bigint, final boolean) RETURNS void
-    LANGUAGE plpgsql VOLATILE
+                                    retry_after interval, epoch bigint) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     n int;
@@ -517,7 +476,7 @@ BEGIN
            next_attempt_at = now() + coalesce(retry_after, outbox._backoff(c, p.attempts + 1))
      WHERE p.consumer_id = c.id AND p.aggregate_id = key
     RETURNING p.attempts INTO n;
-    IF n < c.max_attempts AND NOT final THEN
+    IF n < c.max_attempts THEN
         RETURN;
     END IF;
     WITH head AS (
@@ -538,7 +497,7 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION outbox._unpark_if_empty(consumer_id int, key text) RETURNS void
-    LANGUAGE plpgsql VOLATILE
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     DELETE FROM outbox._parked p
@@ -550,7 +509,7 @@ $$;
 
 -- Copy events of parked keys into their queues (idempotent: a re-claim copies nothing twice).
 CREATE OR REPLACE FUNCTION outbox._queue_parked(consumer_id int, events outbox.events[]) RETURNS void
-    LANGUAGE plpgsql VOLATILE
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 BEGIN
@@ -569,7 +528,7 @@ $$;
 CREATE OR REPLACE FUNCTION outbox._claim_shard(c outbox.consumers, shard int, batch_size int,
                                     lease interval, owner text, seq_mark bigint, x xid8)
 RETURNS SETOF outbox.claimed
-    LANGUAGE plpgsql VOLATILE
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     cur       outbox._cursor_log := outbox._cursor(c.id, shard);
@@ -580,44 +539,12 @@ DECLARE
     heads     outbox.claimed[];
     exhausted boolean;
     any_parked boolean;
-    n         bigint;
 BEGIN
     IF cur.lease_until > now() THEN
         RETURN;  -- a batch is out under a live lease, or a release asked to wait
     END IF;
     any_parked := EXISTS (SELECT FROM outbox._parked p
                            WHERE p.consumer_id = c.id AND p.shard = _claim_shard.shard);
-    IF NOT any_parked THEN
-        -- The common case: the whole page goes out. It is read once, into the result and into
-        -- the claim row (the bounds, as _append writes them; no row when the page is empty).
-        LOOP
-            fresh := cur.hi_snap IS NULL;
-            IF fresh THEN
-                cur := outbox._open_window(cur, seq_mark, x);
-            END IF;
-            RETURN QUERY
-            WITH page AS MATERIALIZED (
-                     SELECT * FROM outbox._window(_claim_shard.shard, cur, NULL, batch_size)),
-                 claim_row AS (
-                     INSERT INTO outbox._cursor_log
-                         (consumer_id, shard, epoch, owner, lease_until, lo_snap, lo_seq, lo_top,
-                          lo_txids, lo_floors, hi_snap, hi_seq, hi_top, hi_txids, hi_floors,
-                          late_from, late_to, after_seq, batch_end, exhausted, heads)
-                     SELECT cur.consumer_id, cur.shard, cur.epoch + 1, _claim_shard.owner,
-                            now() + lease, cur.lo_snap, cur.lo_seq, cur.lo_top, cur.lo_txids,
-                            cur.lo_floors, cur.hi_snap, cur.hi_seq, cur.hi_top, cur.hi_txids,
-                            cur.hi_floors, cur.late_from, cur.late_to, cur.after_seq, max(p.seq),
-                            count(*) < batch_size, '{}'
-                       FROM page p HAVING count(*) > 0)
-            SELECT _claim_shard.shard, cur.epoch + 1, p.id, p.topic, p.aggregate_type,
-                   p.aggregate_id, p.event_type, p.payload, p.headers, p.created_at, p.seq, 1
-              FROM page p ORDER BY p.seq;
-            GET DIAGNOSTICS n = ROW_COUNT;
-            EXIT WHEN n > 0 OR fresh;  -- a batch, or nothing new since the last window
-            cur := outbox._advance(cur, NULL, true);  -- window done; open the next one
-        END LOOP;
-        RETURN;
-    END IF;
     LOOP
         fresh := cur.hi_snap IS NULL;
         IF fresh THEN
@@ -743,9 +670,6 @@ BEGIN
             SELECT lo, lo_seq, lo_top, outbox._in_progress(lo, x) WHERE NOT from_beginning) AS b;
 END
 $$;
-COMMENT ON FUNCTION outbox.create_consumer(text, boolean, int, interval, interval) IS
-    'Creates a consumer that reads events committed from now on (or all, from_beginning). '
-    'Example: SELECT outbox.create_consumer(''billing-webhook'', max_attempts => 5);';
 
 CREATE OR REPLACE FUNCTION outbox.drop_consumer(name text) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
@@ -756,8 +680,6 @@ BEGIN
     RETURN FOUND;
 END
 $$;
-COMMENT ON FUNCTION outbox.drop_consumer(text) IS
-    'Drops a consumer with its cursors, parked keys and dead letters; false if there was none.';
 
 CREATE OR REPLACE FUNCTION outbox.claim(
     consumer   text,
@@ -811,10 +733,6 @@ BEGIN
     END LOOP;
 END
 $$;
-COMMENT ON FUNCTION outbox.claim(text, int, interval, text) IS
-    'Takes one free shard under a lease and returns its next events in commit order (at most '
-    'batch_size, plus parked keys due for retry); nothing when no shard has work. '
-    'Example: SELECT * FROM outbox.claim(''billing-webhook'', 100, ''30 seconds'');';
 
 CREATE OR REPLACE FUNCTION outbox.ack(consumer text, shard int, epoch bigint) RETURNS void
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
@@ -842,15 +760,10 @@ BEGIN
     PERFORM outbox._append(outbox._advance(cur, cur.batch_end, cur.exhausted));
 END
 $$;
-COMMENT ON FUNCTION outbox.ack(text, int, bigint) IS
-    'Finishes a claimed batch: every event not nacked counts as delivered and the shard moves on. '
-    'Example: SELECT outbox.ack(''billing-webhook'', 3, 17);';
 
--- A claimed event failed (nack), or failed for good (reject, final): park its key, count the
--- failure of the key's head.
-CREATE OR REPLACE FUNCTION outbox._fail(consumer text, shard int, epoch bigint, event_id uuid, error text,
-                             retry_after interval, final boolean) RETURNS void
-    LANGUAGE plpgsql VOLATILE
+CREATE OR REPLACE FUNCTION outbox.nack(consumer text, shard int, epoch bigint, event_id uuid, error text,
+                            retry_after interval DEFAULT NULL) RETURNS void
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     c   outbox.consumers := outbox._consumer(consumer);
@@ -860,7 +773,7 @@ DECLARE
 BEGIN
     IF event_id = ANY (cur.heads) THEN
         SELECT q.aggregate_id INTO key FROM outbox._parked_events q
-         WHERE q.consumer_id = c.id AND q.id = _fail.event_id;
+         WHERE q.consumer_id = c.id AND q.id = nack.event_id;
     ELSE
         SELECT * INTO ev FROM outbox._window(shard, cur, cur.batch_end, NULL) w WHERE w.id = event_id;
         IF NOT FOUND THEN
@@ -870,7 +783,7 @@ BEGIN
         END IF;
         key := ev.aggregate_id;
         IF EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = c.id AND p.aggregate_id = key
-                                                    AND p.nacked_epoch = _fail.epoch) THEN
+                                                    AND p.nacked_epoch = nack.epoch) THEN
             RETURN;  -- the key already failed in this batch; later events of it wait anyway
         END IF;
         -- park the key: this event and the key's later events of the batch queue up, in order
@@ -880,27 +793,9 @@ BEGIN
             SELECT w FROM outbox._window(shard, cur, cur.batch_end, NULL) w
              WHERE w.aggregate_id = key AND w.seq >= ev.seq));
     END IF;
-    PERFORM outbox._head_failed(c, key, error, retry_after, epoch, final);
+    PERFORM outbox._head_failed(c, key, error, retry_after, epoch);
 END
 $$;
-
-CREATE OR REPLACE FUNCTION outbox.nack(consumer text, shard int, epoch bigint, event_id uuid, error text,
-                            retry_after interval DEFAULT NULL) RETURNS void
-    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-    RETURN outbox._fail(consumer, shard, epoch, event_id, error, retry_after, false);
-COMMENT ON FUNCTION outbox.nack(text, int, bigint, uuid, text, interval) IS
-    'Reports that one claimed event failed: its key is parked (the shard goes on without it) and '
-    'retried with backoff, or after retry_after; call ack afterwards for the rest of the batch. '
-    'Example: SELECT outbox.nack(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 500'');';
-
-CREATE OR REPLACE FUNCTION outbox.reject(consumer text, shard int, epoch bigint, event_id uuid, error text)
-RETURNS void
-    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-    RETURN outbox._fail(consumer, shard, epoch, event_id, error, NULL, true);
-COMMENT ON FUNCTION outbox.reject(text, int, bigint, uuid, text) IS
-    'Reports that one claimed event can never be delivered (e.g. HTTP 400): it goes to '
-    'outbox.dead_letters at once and its key moves on; call ack afterwards for the rest of the batch. '
-    'Example: SELECT outbox.reject(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 422'');';
 
 CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint,
                                retry_after interval DEFAULT '0') RETURNS void
@@ -916,35 +811,6 @@ BEGIN
     PERFORM outbox._append(cur);
 END
 $$;
-COMMENT ON FUNCTION outbox.release(text, int, bigint, interval) IS
-    'Gives a claimed batch back undelivered (e.g. the sink is down): the shard stays where it was '
-    'and is not claimed again before retry_after. Example: SELECT outbox.release(''hook'', 3, 17, ''5 s'');';
-
-CREATE OR REPLACE FUNCTION outbox.release_owner(consumer text, owner text) RETURNS int
-    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    c   outbox.consumers := outbox._consumer(consumer);
-    s   int;
-    cur outbox._cursor_log;
-    n   int := 0;
-BEGIN
-    FOR s IN SELECT sh.shard FROM outbox._shards sh WHERE sh.consumer_id = c.id
-              ORDER BY sh.shard FOR UPDATE LOOP
-        cur := outbox._cursor(c.id, s);
-        CONTINUE WHEN cur.owner IS DISTINCT FROM release_owner.owner OR cur.lease_until <= now();
-        cur.owner := NULL; cur.lease_until := NULL;
-        cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
-        PERFORM outbox._append(cur);
-        n := n + 1;
-    END LOOP;
-    RETURN n;
-END
-$$;
-COMMENT ON FUNCTION outbox.release_owner(text, text) IS
-    'Gives back every batch a relay (by its claim owner name) holds for the consumer, e.g. after '
-    'the relay died; its late acks are refused. Returns how many. '
-    'Example: SELECT outbox.release_owner(''hook'', ''relay-7'');';
 
 CREATE OR REPLACE FUNCTION outbox.replay(consumer text, aggregate_id text DEFAULT NULL) RETURNS int
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
@@ -974,9 +840,54 @@ BEGIN
     RETURN n;
 END
 $$;
-COMMENT ON FUNCTION outbox.replay(text, text) IS
-    'Re-queues a consumer''s dead letters (all, or of one key), in the order they died, behind '
-    'anything already queued for their keys; returns how many. Example: SELECT outbox.replay(''hook'');';
+-- outbox_ext: the inbox — dedup for idempotent consumers.
+--
+-- inbox.claim(message_id, consumer) inserts (message_id, consumer) with ON CONFLICT DO NOTHING,
+-- in the caller's transaction, next to the effect it guards. The table is partitioned by
+-- message_id: outbox event ids are UUIDv7, whose leading 48 bits are the Unix time in ms, so
+-- id ranges are time ranges, the primary key holds across partitions, and the dedup window
+-- (retention) is enforced by dropping old partitions. Ids that are not UUIDv7 dedup all the
+-- same in the default partition.
+--
+-- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
+
+CREATE TABLE IF NOT EXISTS inbox.messages (
+    message_id  uuid        NOT NULL,
+    consumer    text        NOT NULL,
+    received_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (message_id, consumer)
+) PARTITION BY RANGE (message_id);
+COMMENT ON TABLE inbox.messages IS
+    'Messages consumers have processed, for dedup; partitioned by message_id (UUIDv7 time).';
+
+-- The smallest UUIDv7 of a moment, and the moment of a UUIDv7: partition bounds of the inbox.
+CREATE OR REPLACE FUNCTION inbox.uuid_at(ts timestamptz) RETURNS uuid
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN (lpad(to_hex(floor(extract(epoch FROM ts) * 1000)::bigint), 12, '0') || '70008000000000000000')::uuid;
+COMMENT ON FUNCTION inbox.uuid_at(timestamptz) IS 'The smallest UUIDv7 made at a moment.';
+CREATE OR REPLACE FUNCTION inbox.uuid_time(id uuid) RETURNS timestamptz
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    RETURN to_timestamp(('x' || lpad(left(replace(id::text, '-', ''), 12), 16, '0'))::bit(64)::bigint / 1000.0);
+COMMENT ON FUNCTION inbox.uuid_time(uuid) IS 'The time a UUIDv7 was made (meaningless for other UUIDs).';
+
+CREATE OR REPLACE FUNCTION inbox.claim(message_id uuid, consumer text) RETURNS boolean
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF message_id IS NULL OR consumer IS NULL OR consumer = '' THEN
+        RAISE EXCEPTION 'message_id and consumer must not be NULL or empty'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass the event id you received and your consumer''s name.';
+    END IF;
+    INSERT INTO inbox.messages (message_id, consumer) VALUES (claim.message_id, claim.consumer)
+    ON CONFLICT DO NOTHING;
+    RETURN FOUND;
+END
+$$;
+COMMENT ON FUNCTION inbox.claim(uuid, text) IS
+    'True if the caller''s transaction is the first to process this message for this consumer. '
+    'A racing duplicate waits for the first transaction: false if it commits, true if it rolls back. '
+    'Example: IF inbox.claim(event_id, ''billing'') THEN <apply the effect> END IF;';
 -- outbox_ext: partitions of the event log and the inbox, and their maintenance.
 --
 -- outbox.events is partitioned by created_at, inbox.messages by message_id (UUIDv7, so by
@@ -1124,8 +1035,6 @@ DECLARE
     lo_at   timestamptz;
     n       bigint;
     why     text;
-    part    text;
-    old_timeout text;
 BEGIN
     IF pg_is_in_recovery() THEN
         RETURN;  -- a replica follows its primary's maintenance
@@ -1134,48 +1043,8 @@ BEGIN
         RETURN QUERY SELECT 'skipped', NULL::text, 'another outbox.maintain() is running';
         RETURN;
     END IF;
-    -- 1. Partitions past retention first: drop or detach, never with undelivered events. A drop
-    --    needs the parent's ACCESS EXCLUSIVE lock; waited for after creating a partition (which
-    --    locks the default partition) it could deadlock with a reader that holds the parent and
-    --    goes on to the default partition. Each waits at most a second: a long reader must not
-    --    queue every emit behind the drop; the next run tries again.
-    old_timeout := current_setting('lock_timeout');
-    PERFORM set_config('lock_timeout', '1s', true);
     FOR cfg IN SELECT * FROM outbox.partition_config LOOP
-        FOR p IN SELECT * FROM outbox.partitions x
-                  WHERE x.parent = cfg.parent AND NOT x.is_default AND x.upper <= now() - cfg.retention
-                  ORDER BY x.lower LOOP
-            part := p.partition::text;  -- named while it exists
-            BEGIN
-                IF cfg.parent = 'outbox.events'::regclass THEN
-                    why := outbox._partition_pending(p.partition, p.upper);
-                    IF why IS NOT NULL THEN
-                        RETURN QUERY SELECT 'kept', part, 'past retention, but ' || why;
-                        CONTINUE;
-                    END IF;
-                END IF;
-                -- Partitions made by CREATE EXTENSION belong to the extension, which would refuse
-                -- to let them go (and would drop a detached one with itself): release them first.
-                IF EXISTS (SELECT FROM pg_depend d
-                            WHERE d.classid = 'pg_class'::regclass AND d.objid = p.partition
-                              AND d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e') THEN
-                    EXECUTE format('ALTER EXTENSION outbox_ext DROP TABLE %s', part);
-                END IF;
-                IF cfg.detach THEN
-                    EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', cfg.parent, part);
-                    RETURN QUERY SELECT 'detached', part, NULL::text;
-                ELSE
-                    EXECUTE format('DROP TABLE %s', part);
-                    RETURN QUERY SELECT 'dropped', part, NULL::text;
-                END IF;
-            EXCEPTION WHEN lock_not_available THEN
-                RETURN QUERY SELECT 'kept', part, 'past retention, but in use (lock timeout): next run';
-            END;
-        END LOOP;
-    END LOOP;
-    PERFORM set_config('lock_timeout', old_timeout, true);
-    FOR cfg IN SELECT * FROM outbox.partition_config LOOP
-        -- 2. rows that landed in the default partition: report them, move them into partitions
+        -- 1. rows that landed in the default partition: report them, move them into partitions
         --    (inbox ids that are not UUIDv7 carry no time: they stay, and age out by received_at)
         FOR lo_at IN EXECUTE format(
                 'SELECT DISTINCT outbox._floor_time(%s, %L) FROM %s %s',
@@ -1191,12 +1060,38 @@ BEGIN
                 RETURN QUERY SELECT 'moved', created::text, 'rows from the default partition';
             END IF;
         END LOOP;
-        -- 3. partitions ahead
+        -- 2. partitions ahead
         lo_at := outbox._floor_time(now(), cfg.width);
         FOR i IN 0 .. cfg.ahead LOOP
             created := outbox._create_partition(cfg.parent, lo_at + cfg.width * i, cfg.width);
             IF created IS NOT NULL THEN
                 RETURN QUERY SELECT 'created', created::text, NULL::text;
+            END IF;
+        END LOOP;
+        -- 3. partitions past retention: drop or detach, never with undelivered events
+        FOR p IN SELECT * FROM outbox.partitions x
+                  WHERE x.parent = cfg.parent AND NOT x.is_default AND x.upper <= now() - cfg.retention
+                  ORDER BY x.lower LOOP
+            IF cfg.parent = 'outbox.events'::regclass THEN
+                why := outbox._partition_pending(p.partition, p.upper);
+                IF why IS NOT NULL THEN
+                    RETURN QUERY SELECT 'kept', p.partition::text, 'past retention, but ' || why;
+                    CONTINUE;
+                END IF;
+            END IF;
+            -- Partitions made by CREATE EXTENSION belong to the extension, which would refuse
+            -- to let them go (and would drop a detached one with itself): release them first.
+            IF EXISTS (SELECT FROM pg_depend d
+                        WHERE d.classid = 'pg_class'::regclass AND d.objid = p.partition
+                          AND d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e') THEN
+                EXECUTE format('ALTER EXTENSION outbox_ext DROP TABLE %s', p.partition);
+            END IF;
+            IF cfg.detach THEN
+                EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', cfg.parent, p.partition);
+                RETURN QUERY SELECT 'detached', p.partition::text, NULL::text;
+            ELSE
+                RETURN QUERY SELECT 'dropped', p.partition::text, NULL::text;  -- named while it exists
+                EXECUTE format('DROP TABLE %s', p.partition);
             END IF;
         END LOOP;
     END LOOP;
@@ -1225,50 +1120,69 @@ COMMENT ON FUNCTION outbox.maintain() IS
 CREATE TABLE IF NOT EXISTS outbox.events_default PARTITION OF outbox.events DEFAULT;
 CREATE TABLE IF NOT EXISTS inbox.messages_default PARTITION OF inbox.messages DEFAULT;
 SELECT count(*) FROM outbox.maintain();
+-- outbox_ext: what is left to deliver, per consumer and per shard, and why.
+--
+-- An event is pending for a consumer while its transaction is not visible in the lower bound
+-- of its shard's current window (minus what the window has already delivered). Every such
+-- event has a seq above the window's floors, which bounds the index scan.
+
+CREATE OR REPLACE VIEW outbox.shard_status AS
+SELECT c.name AS consumer,
+       cur.shard,
+       pend.events AS pending,
+       pend.oldest AS oldest_pending_at,
+       now() - pend.oldest AS lag,
+       (SELECT count(*) FROM outbox._parked p WHERE p.consumer_id = c.id AND p.shard = cur.shard) AS parked_keys,
+       CASE WHEN cur.owner IS NOT NULL AND cur.lease_until > now() THEN cur.owner END AS leased_by,
+       cur.at AS last_activity
+  FROM outbox.consumers c
+ CROSS JOIN generate_series(0, outbox.shard_count() - 1) AS s(shard)
+ CROSS JOIN LATERAL (SELECT * FROM outbox._cursor_log l
+                      WHERE l.consumer_id = c.id AND l.shard = s.shard
+                      ORDER BY l.pos DESC LIMIT 1) AS cur
+ CROSS JOIN LATERAL (
+        SELECT count(*) AS events, min(e.created_at) AS oldest
+          FROM outbox.events e
+         WHERE e.shard = cur.shard
+           AND e.seq > least(cur.lo_seq, (SELECT min(f) FROM unnest(cur.lo_floors) AS f))
+           AND NOT pg_visible_in_snapshot(e.txid, cur.lo_snap)
+           AND NOT (cur.hi_snap IS NOT NULL AND e.seq <= coalesce(cur.after_seq, -1)
+                    AND pg_visible_in_snapshot(e.txid, cur.hi_snap))) AS pend;
+COMMENT ON VIEW outbox.shard_status IS
+    'Per consumer and shard: pending events, the oldest one and its age, parked keys, who holds the lease.';
+
+CREATE OR REPLACE VIEW outbox.status AS
+SELECT s.consumer,
+       sum(s.pending)::bigint AS pending,
+       min(s.oldest_pending_at) AS oldest_pending_at,
+       now() - min(s.oldest_pending_at) AS lag,
+       sum(s.parked_keys)::bigint AS parked_keys,
+       (SELECT count(*) FROM outbox._parked_events q JOIN outbox.consumers c ON c.id = q.consumer_id
+         WHERE c.name = s.consumer) AS parked_events,
+       (SELECT count(*) FROM outbox.dead_letters d WHERE d.consumer = s.consumer) AS dead_letters,
+       coalesce((SELECT p.last_error FROM outbox._parked p JOIN outbox.consumers c ON c.id = p.consumer_id
+                  WHERE c.name = s.consumer ORDER BY p.parked_at DESC LIMIT 1),
+                (SELECT d.last_error FROM outbox.dead_letters d WHERE d.consumer = s.consumer
+                  ORDER BY d.id DESC LIMIT 1)) AS last_error,
+       count(s.leased_by) AS shards_leased,
+       max(s.last_activity) AS last_activity,
+       (SELECT count(*) FROM outbox.events_default) AS events_in_default_partition
+  FROM outbox.shard_status s
+ GROUP BY s.consumer;
+COMMENT ON VIEW outbox.status IS
+    'One row per consumer: pending events and lag, parked keys and events, dead letters, the last '
+    'error, leased shards, and events waiting in the default partition (outbox.maintain() moves them). '
+    'Example: SELECT consumer, pending, lag, dead_letters, last_error FROM outbox.status;';
 -- outbox_ext: privileges, all in one place. Runs last (finalize); rerunnable (upgrade
 -- scripts include it).
 --
 -- Nothing is granted to PUBLIC. Producers reach the event log only through the SECURITY
 -- DEFINER emit functions (which pin search_path); they cannot read events or configuration.
--- outbox.sinks holds secrets: only outbox_admin (and superusers, like the worker) can read it;
--- relays see a sink's health through outbox.status, which shows no URL or secret.
 
 REVOKE ALL ON SCHEMA outbox, inbox FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox FROM PUBLIC;
-
-GRANT outbox_producer, outbox_relay TO outbox_admin;
-GRANT USAGE ON SCHEMA outbox, inbox TO outbox_producer, outbox_relay, outbox_admin;
-
-GRANT EXECUTE ON FUNCTION
-    outbox.emit(text, text, text, jsonb, jsonb, text),
-    outbox.emit_many(text, text, text[], jsonb[], jsonb, text),
-    outbox.uuid_v7(),
-    outbox.shard_count(),
-    outbox.shard_of(text)
-TO outbox_producer;
-
-GRANT SELECT ON outbox.events TO outbox_relay;
-GRANT EXECUTE ON FUNCTION
-    outbox.claim(text, int, interval, text),
-    outbox.ack(text, int, bigint),
-    outbox.nack(text, int, bigint, uuid, text, interval),
-    outbox.reject(text, int, bigint, uuid, text),
-    outbox.release(text, int, bigint, interval),
-    outbox.release_owner(text, text),
-    outbox.shard_count(),
-    outbox.shard_of(text)
-TO outbox_relay;
-GRANT EXECUTE ON FUNCTION
-    outbox.create_consumer(text, boolean, int, interval, interval),
-    outbox.drop_consumer(text),
-    outbox.replay(text, text),
-    outbox.create_sink(text, text, text, text[], text[], text, int, int, interval, interval, text,
-                       jsonb, text, jsonb, text, int, interval, interval, boolean),
-    outbox.drop_sink(text)
-TO outbox_admin;
-GRANT ALL ON ALL TABLES IN SCHEMA outbox TO outbox_admin;
 GRANT EXECUTE ON FUNCTION outbox.maintain() TO outbox_admin;
 GRANT SELECT ON outbox.status, outbox.shard_status TO outbox_relay;
 

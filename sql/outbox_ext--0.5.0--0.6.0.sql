@@ -20,22 +20,9 @@
 -- - DROP EXTENSION outbox_ext is refused while events are undelivered (sql/drop_guard.sql).
 --   Events, consumers, cursors, parked keys and dead letters are kept as they are.
 --
--- Rerunnable. Frozen at commit 3dab865: the "-- @include" lines it had were expanded into the
--- sql/ files they stood for as they were then. Never edit it.
+-- A delta: what changed from 0.5.0 to 0.6.0 (ALTERs, guarded DROPs, changed functions, views
+-- and comments, new grants), rerunnable. Released: never edit it.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.6.0'" to load this file. \quit
-
--- outbox_ext: schemas and roles. Runs first (bootstrap); rerunnable (upgrade scripts include it).
---
--- Roles are cluster-wide, so they are created only where missing: CREATE EXTENSION in a
--- second database, or after DROP EXTENSION, must not fail on them.
---   outbox_producer  emits events, nothing else (cannot read events or configuration)
---   outbox_relay     claims, acks and nacks events; reads the event log
---   outbox_admin     sinks, consumers, maintenance, dead letters (member of both above);
---                    not a superuser's power: no trigger, rule, policy or TRUNCATE on our tables
---   outbox_worker    what the background worker runs as: relays (member of outbox_relay),
---                    reads sinks, writes their figures, runs maintenance
-
-CREATE SCHEMA IF NOT EXISTS outbox;
 CREATE SCHEMA IF NOT EXISTS inbox;
 
 DO $roles$
@@ -58,178 +45,6 @@ ALTER TABLE outbox._cursor_log ADD COLUMN IF NOT EXISTS restored_seq bigint,
                                ADD COLUMN IF NOT EXISTS restored_top xid8;
 DROP INDEX IF EXISTS outbox.events_read_idx;                -- with the partitions' copies
 ALTER TABLE inbox.messages DROP CONSTRAINT IF EXISTS messages_pkey;
-
--- outbox_ext: consumers and claims — commit-ordered, per-key ordered reading of the event log.
---
--- How a consumer reads a shard without gaps (PgQ's idea, per shard):
---   Its position is a commit window (lo, hi] between two bounds. A bound is taken by a claim
---   that has not written yet: read the event sequence (seq), then take an xid of its own (X),
---   then take a snapshot. Its "top" is max(snapshot xmax, X + 1). Every xid below top was then
---   finished or is in the bound's in-progress list (txids: the snapshot's xip plus
---   [xmax, X], since xmax is only latestCompletedXid + 1); every xid from top on was assigned
---   after seq was read, so its events have a greater seq (emit takes the xid before the seq,
---   see outbox.events.seq). The window holds every event whose transaction hi sees finished
---   and lo did not:
---     (a) transactions with xid >= lo.top: their events have seq > lo.seq;
---     (b) transactions in lo's in-progress list: their events have seq above a "floor"
---         carried for each of them from the bound where it first appeared.
---   Inside a window events go out in seq order (emit order, which is commit order for writers
---   serialized on an aggregate), paged by after_seq through the (shard, seq, txid) index, so
---   a window of millions of events costs no more per page than a small one. A row committed
---   late is never skipped (it falls in a later window) and an uncommitted one is never read.
---
--- How claims stay bloat-free: a shard is taken by locking its row in outbox._shards FOR UPDATE
--- SKIP LOCKED (never updated), and the cursor with its lease is an append-only log: claim, ack,
--- nack and release INSERT a row, the newest row is the state. A transaction that holds back
--- vacuum for minutes leaves nothing dead on the hot path.
---
--- How a failing key blocks only itself: nack parks the key. Its failed event and every later
--- event of the key are copied, in order, into a small side queue (_parked_events) as the shard
--- reads past them, and the shard goes on with other keys. The queue's head is retried with
--- exponential backoff and jitter; after max_attempts it goes to outbox.dead_letters and the key
--- moves on. When the queue is empty the key is unparked and flows with its shard again.
---
--- Name resolution (sql/grants.sql): the API functions are [pinned], helpers (outbox._*) run
--- [inside] them and do not pin search_path themselves: only the SECURITY DEFINER API functions
--- below call them, and those pin it. A SET clause on every helper would cost each call a GUC
--- save and restore and a new search path lookup, about 5% of a claim.
---
--- Rerunnable (upgrade scripts include it): tables and indexes only where missing, functions
--- replaced. A changed table needs its own ALTER in the upgrade script.
-
-CREATE TABLE IF NOT EXISTS outbox.consumers (
-    id           int         GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    name         text        NOT NULL UNIQUE,
-    max_attempts int         NOT NULL DEFAULT 10 CHECK (max_attempts >= 1),
-    backoff_base interval    NOT NULL DEFAULT '1 second' CHECK (backoff_base > '0'),
-    backoff_max  interval    NOT NULL DEFAULT '10 minutes' CHECK (backoff_max > '0'),
-    created_at   timestamptz NOT NULL DEFAULT now()
-);
-COMMENT ON TABLE outbox.consumers IS
-    'Named readers of the event log (one per sink); each has its own cursor in every shard.';
-
--- What claims lock (FOR UPDATE SKIP LOCKED) to take a shard; never updated.
-CREATE TABLE IF NOT EXISTS outbox._shards (
-    consumer_id int NOT NULL REFERENCES outbox.consumers ON DELETE CASCADE,
-    shard       int NOT NULL,
-    PRIMARY KEY (consumer_id, shard)
-);
-
--- The cursor of each (consumer, shard) as an append-only log; the newest row is the state.
-CREATE TABLE IF NOT EXISTS outbox._cursor_log (
-    consumer_id int         NOT NULL REFERENCES outbox.consumers ON DELETE CASCADE,
-    shard       int         NOT NULL,
-    pos         bigint      GENERATED ALWAYS AS IDENTITY,
-    epoch       bigint      NOT NULL,  -- lease generation: +1 on every claim
-    owner       text,                  -- who holds the batch out; NULL when none is out
-    lease_until timestamptz,           -- claim: lease expiry; release: no claim before this
-    lo_snap     pg_snapshot NOT NULL,  -- the window (lo, hi] ...
-    lo_seq      bigint      NOT NULL,
-    lo_top      xid8        NOT NULL,
-    lo_txids    xid8[]      NOT NULL,  -- ... lo's in-progress transactions and their floors
-    lo_floors   bigint[]    NOT NULL,
-    hi_snap     pg_snapshot,           -- NULL: the next claim opens a new window after lo
-    hi_seq      bigint,
-    hi_top      xid8,
-    hi_txids    xid8[],
-    hi_floors   bigint[],
-    late_from   bigint,                -- seq range holding the events of (b) in this window
-    late_to     bigint,
-    after_seq   bigint,                -- delivered through this seq inside the window
-    batch_end   bigint,                -- claim rows: seq of the batch's last event
-    exhausted   boolean,               -- claim rows: the batch ends the window
-    heads       uuid[],                -- claim rows: parked head events handed out
-    at          timestamptz NOT NULL DEFAULT now(),
-    restored_seq bigint,               -- restored from a dump (sql/restore.sql): events up to
-    restored_top xid8                  -- this seq are the dump's, their txids below this top
-);
-CREATE INDEX IF NOT EXISTS _cursor_log_consumer_id_shard_pos_idx
-    ON outbox._cursor_log (consumer_id, shard, pos DESC);
-
-CREATE TABLE IF NOT EXISTS outbox._parked (
-    consumer_id     int         NOT NULL REFERENCES outbox.consumers ON DELETE CASCADE,
-    aggregate_id    text        NOT NULL,
-    shard           int         NOT NULL,
-    attempts        int         NOT NULL DEFAULT 0,  -- failed attempts of the current head
-    next_attempt_at timestamptz NOT NULL,
-    last_error      text,
-    nacked_epoch    bigint,                          -- the batch that last failed the head
-    parked_at       timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (consumer_id, aggregate_id)
-);
-CREATE INDEX IF NOT EXISTS _parked_consumer_id_shard_next_attempt_at_idx
-    ON outbox._parked (consumer_id, shard, next_attempt_at);
-
-CREATE TABLE IF NOT EXISTS outbox._parked_events (
-    consumer_id    int         NOT NULL,
-    aggregate_id   text        NOT NULL,
-    pos            bigint      GENERATED ALWAYS AS IDENTITY,
-    id             uuid        NOT NULL,
-    topic          text,
-    aggregate_type text        NOT NULL,
-    event_type     text        NOT NULL,
-    payload        jsonb,
-    headers        jsonb,
-    created_at     timestamptz NOT NULL,
-    seq            bigint      NOT NULL,
-    PRIMARY KEY (consumer_id, aggregate_id, pos),
-    UNIQUE (consumer_id, id),
-    FOREIGN KEY (consumer_id, aggregate_id) REFERENCES outbox._parked ON DELETE CASCADE
-);
-
-CREATE TABLE IF NOT EXISTS outbox.dead_letters (
-    id             bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    consumer       text        NOT NULL,
-    event_id       uuid        NOT NULL,
-    topic          text,
-    aggregate_type text        NOT NULL,
-    aggregate_id   text        NOT NULL,
-    event_type     text        NOT NULL,
-    payload        jsonb,
-    headers        jsonb,
-    created_at     timestamptz NOT NULL,
-    seq            bigint      NOT NULL,
-    attempts       int         NOT NULL,
-    last_error     text,
-    dead_at        timestamptz NOT NULL DEFAULT now()
-);
-CREATE INDEX IF NOT EXISTS dead_letters_consumer_aggregate_id_id_idx
-    ON outbox.dead_letters (consumer, aggregate_id, id);
-COMMENT ON TABLE outbox.dead_letters IS
-    'Events a consumer gave up on after max_attempts, with the last error; outbox.replay re-queues them.';
-
--- Marks: (seq, then a fresh xid) pairs that claims record at most once a second. A
--- transaction with a greater xid has only events above the mark's seq, which gives every
--- in-progress transaction a recent floor however old the cursor's bounds are. Insert-only;
--- outbox.maintain() trims old marks.
-CREATE TABLE IF NOT EXISTS outbox._marks (
-    top xid8        PRIMARY KEY,
-    seq bigint      NOT NULL,
-    at  timestamptz NOT NULL DEFAULT now()
-);
-
--- One row of a claimed batch.
-DO $type$
-BEGIN
-    CREATE TYPE outbox.claimed AS (
-        shard          int,
-        epoch          bigint,
-        id             uuid,
-        topic          text,
-        aggregate_type text,
-        aggregate_id   text,
-        event_type     text,
-        payload        jsonb,
-        headers        jsonb,
-        created_at     timestamptz,
-        seq            bigint,
-        attempt        int
-    );
-EXCEPTION WHEN duplicate_object THEN NULL;  -- rerun: the type is there
-END
-$type$;
-COMMENT ON TYPE outbox.claimed IS
-    'A claimed event: ack or nack it with (shard, epoch); attempt is 1 + its earlier failures.';
 
 ---------------------------------------------------------------------------------------------
 -- Internals
@@ -280,33 +95,6 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox._check_shard(shard int) RETURNS void
-    LANGUAGE plpgsql IMMUTABLE
-AS $$
-BEGIN
-    IF shard IS NULL OR shard < 0 OR shard >= outbox.shard_count() THEN
-        RAISE EXCEPTION 'shard % does not exist', shard
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = format('Shards are 0 to %s; pass the shard a claimed row came with.',
-                                outbox.shard_count() - 1);
-    END IF;
-END
-$$;
-
--- The newest cursor row of a (consumer, shard).
-CREATE OR REPLACE FUNCTION outbox._cursor(consumer_id int, shard int) RETURNS outbox._cursor_log
-    LANGUAGE plpgsql STABLE
-AS $$
-DECLARE
-    cur outbox._cursor_log;
-BEGIN
-    SELECT * INTO cur FROM outbox._cursor_log l
-     WHERE l.consumer_id = _cursor.consumer_id AND l.shard = _cursor.shard
-     ORDER BY l.pos DESC LIMIT 1;
-    RETURN cur;
-END
-$$;
-
 CREATE OR REPLACE FUNCTION outbox._append(cur outbox._cursor_log) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
@@ -320,40 +108,6 @@ BEGIN
          cur.lo_seq, cur.lo_top, cur.lo_txids, cur.lo_floors, cur.hi_snap, cur.hi_seq,
          cur.hi_top, cur.hi_txids, cur.hi_floors, cur.late_from, cur.late_to, cur.after_seq,
          cur.batch_end, cur.exhausted, cur.heads, cur.restored_seq, cur.restored_top);
-END
-$$;
-
--- The in-progress list of a bound: the snapshot's xip, every xid from its xmax to x, and x.
--- (Helpers on the claim path are plpgsql, not SQL: plpgsql keeps their plans for the session,
--- while a SQL function called from plpgsql is planned again in every transaction.)
-CREATE OR REPLACE FUNCTION outbox._in_progress(snap pg_snapshot, x xid8) RETURNS xid8[]
-    LANGUAGE plpgsql IMMUTABLE
-AS $$
-BEGIN
-    RETURN ARRAY(SELECT t FROM pg_snapshot_xip(snap) AS t
-                 UNION
-                 SELECT g::text::xid8
-                   FROM generate_series(least(pg_snapshot_xmax(snap), x)::text::bigint,
-                                        x::text::bigint) AS g
-                 ORDER BY 1);
-END
-$$;
-
--- The top of a bound taken with snapshot snap after xid x: every xid below it was finished or
--- in progress then, every xid from it on was assigned after the bound's seq was read.
-CREATE OR REPLACE FUNCTION outbox._top(snap pg_snapshot, x xid8) RETURNS xid8
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    RETURN greatest(pg_catalog.pg_snapshot_xmax(snap), (x::text::bigint + 1)::text::xid8);
-
--- Transactions of lo's in-progress list that the cursor's hi sees finished, with the lowest
--- of their floors: part (b) of the window.
-CREATE OR REPLACE FUNCTION outbox._late(cur outbox._cursor_log, OUT txids xid8[], OUT floor_seq bigint)
-    LANGUAGE plpgsql IMMUTABLE
-AS $$
-BEGIN
-    SELECT coalesce(array_agg(u.t), '{}'), min(u.f) INTO txids, floor_seq
-      FROM unnest(cur.lo_txids, cur.lo_floors) AS u(t, f)
-     WHERE pg_visible_in_snapshot(u.t, cur.hi_snap);
 END
 $$;
 
@@ -540,72 +294,6 @@ BEGIN
                          'acked or released; drop the batch and claim again.';
     END IF;
     RETURN cur;
-END
-$$;
-
-CREATE OR REPLACE FUNCTION outbox._backoff(c outbox.consumers, attempts int) RETURNS interval
-    LANGUAGE sql VOLATILE
-    RETURN least(c.backoff_max, c.backoff_base * power(2, least(attempts - 1, 30)))
-           * (0.5 + random() / 2);
-
--- The head of a parked key failed: count it, schedule the retry; past max_attempts (or at once
--- when the failure is final) move the head to dead_letters and let the key move on.
-CREATE OR REPLACE FUNCTION outbox._head_failed(c outbox.consumers, key text, error text,
-                                    retry_after interval, epoch bigint, final boolean) RETURNS void
-    LANGUAGE plpgsql VOLATILE
-AS $$
-DECLARE
-    n int;
-BEGIN
-    UPDATE outbox._parked p
-       SET attempts = p.attempts + 1, last_error = error, nacked_epoch = epoch,
-           next_attempt_at = now() + coalesce(retry_after, outbox._backoff(c, p.attempts + 1))
-     WHERE p.consumer_id = c.id AND p.aggregate_id = key
-    RETURNING p.attempts INTO n;
-    IF n < c.max_attempts AND NOT final THEN
-        RETURN;
-    END IF;
-    WITH head AS (
-        DELETE FROM outbox._parked_events q
-         WHERE (q.consumer_id, q.aggregate_id, q.pos) =
-               (SELECT h.consumer_id, h.aggregate_id, h.pos FROM outbox._parked_events h
-                 WHERE h.consumer_id = c.id AND h.aggregate_id = key ORDER BY h.pos LIMIT 1)
-        RETURNING q.*)
-    INSERT INTO outbox.dead_letters (consumer, event_id, topic, aggregate_type, aggregate_id,
-                                     event_type, payload, headers, created_at, seq, attempts, last_error)
-    SELECT c.name, h.id, h.topic, h.aggregate_type, h.aggregate_id, h.event_type, h.payload,
-           h.headers, h.created_at, h.seq, n, error
-      FROM head h;
-    UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
-     WHERE p.consumer_id = c.id AND p.aggregate_id = key;
-    PERFORM outbox._unpark_if_empty(c.id, key);
-END
-$$;
-
-CREATE OR REPLACE FUNCTION outbox._unpark_if_empty(consumer_id int, key text) RETURNS void
-    LANGUAGE plpgsql VOLATILE
-AS $$
-BEGIN
-    DELETE FROM outbox._parked p
-     WHERE p.consumer_id = _unpark_if_empty.consumer_id AND p.aggregate_id = _unpark_if_empty.key
-       AND NOT EXISTS (SELECT FROM outbox._parked_events q
-                        WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
-END
-$$;
-
--- Copy events of parked keys into their queues (idempotent: a re-claim copies nothing twice).
-CREATE OR REPLACE FUNCTION outbox._queue_parked(consumer_id int, events outbox.events[]) RETURNS void
-    LANGUAGE plpgsql VOLATILE
-AS $$
-#variable_conflict use_column
-BEGIN
-    INSERT INTO outbox._parked_events AS q (consumer_id, aggregate_id, id, topic, aggregate_type,
-                                            event_type, payload, headers, created_at, seq)
-    SELECT _queue_parked.consumer_id, e.aggregate_id, e.id, e.topic, e.aggregate_type,
-           e.event_type, e.payload, e.headers, e.created_at, e.seq
-      FROM unnest(events) AS e
-     ORDER BY e.seq
-    ON CONFLICT (consumer_id, id) DO NOTHING;
 END
 $$;
 
@@ -803,9 +491,6 @@ BEGIN
             SELECT lo, lo_seq, lo_top, outbox._in_progress(lo, x) WHERE NOT from_beginning) AS b;
 END
 $$;
-COMMENT ON FUNCTION outbox.create_consumer(text, boolean, int, interval, interval) IS
-    'Creates a consumer that reads events committed from now on (or all, from_beginning). '
-    'Example: SELECT outbox.create_consumer(''billing-webhook'', max_attempts => 5);';
 
 CREATE OR REPLACE FUNCTION outbox.drop_consumer(name text) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
@@ -822,8 +507,6 @@ BEGIN
     RETURN FOUND;
 END
 $$;
-COMMENT ON FUNCTION outbox.drop_consumer(text) IS
-    'Drops a consumer with its cursors, parked keys and dead letters; false if there was none.';
 
 CREATE OR REPLACE FUNCTION outbox.claim(
     consumer   text,
@@ -879,40 +562,6 @@ BEGIN
     END LOOP;
 END
 $$;
-COMMENT ON FUNCTION outbox.claim(text, int, interval, text) IS
-    'Takes one free shard under a lease and returns its next events in commit order (at most '
-    'batch_size, plus parked keys due for retry); nothing when no shard has work. '
-    'Example: SELECT * FROM outbox.claim(''billing-webhook'', 100, ''30 seconds'');';
-
-CREATE OR REPLACE FUNCTION outbox.ack(consumer text, shard int, epoch bigint) RETURNS void
-    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    c   outbox.consumers := outbox._consumer(consumer);
-    cur outbox._cursor_log := outbox._leased(c.id, shard, epoch);
-    key text;
-BEGIN
-    -- parked heads that went out in this batch and were not nacked: delivered
-    IF cardinality(cur.heads) > 0 THEN
-        FOR key IN
-            DELETE FROM outbox._parked_events q
-             USING outbox._parked p
-             WHERE q.consumer_id = c.id AND q.id = ANY (cur.heads)
-               AND p.consumer_id = q.consumer_id AND p.aggregate_id = q.aggregate_id
-               AND p.nacked_epoch IS DISTINCT FROM ack.epoch
-            RETURNING q.aggregate_id
-        LOOP
-            UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
-             WHERE p.consumer_id = c.id AND p.aggregate_id = key;
-            PERFORM outbox._unpark_if_empty(c.id, key);
-        END LOOP;
-    END IF;
-    PERFORM outbox._append(outbox._advance(cur, cur.batch_end, cur.exhausted));
-END
-$$;
-COMMENT ON FUNCTION outbox.ack(text, int, bigint) IS
-    'Finishes a claimed batch: every event not nacked counts as delivered and the shard moves on. '
-    'Example: SELECT outbox.ack(''billing-webhook'', 3, 17);';
 
 -- A claimed event failed (nack), or failed for good (reject, final): park its key, count the
 -- failure of the key's head.
@@ -957,24 +606,6 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox.nack(consumer text, shard int, epoch bigint, event_id uuid, error text,
-                            retry_after interval DEFAULT NULL) RETURNS void
-    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-    RETURN outbox._fail(consumer, shard, epoch, event_id, error, retry_after, false);
-COMMENT ON FUNCTION outbox.nack(text, int, bigint, uuid, text, interval) IS
-    'Reports that one claimed event failed: its key is parked (the shard goes on without it) and '
-    'retried with backoff, or after retry_after; call ack afterwards for the rest of the batch. '
-    'Example: SELECT outbox.nack(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 500'');';
-
-CREATE OR REPLACE FUNCTION outbox.reject(consumer text, shard int, epoch bigint, event_id uuid, error text)
-RETURNS void
-    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-    RETURN outbox._fail(consumer, shard, epoch, event_id, error, NULL, true);
-COMMENT ON FUNCTION outbox.reject(text, int, bigint, uuid, text) IS
-    'Reports that one claimed event can never be delivered (e.g. HTTP 400): it goes to '
-    'outbox.dead_letters at once and its key moves on; call ack afterwards for the rest of the batch. '
-    'Example: SELECT outbox.reject(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 422'');';
-
 CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint,
                                retry_after interval DEFAULT '0') RETURNS void
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
@@ -992,9 +623,6 @@ BEGIN
     PERFORM outbox._append(cur);
 END
 $$;
-COMMENT ON FUNCTION outbox.release(text, int, bigint, interval) IS
-    'Gives a claimed batch back undelivered (e.g. the sink is down): the shard stays where it was '
-    'and is not claimed again before retry_after. Example: SELECT outbox.release(''hook'', 3, 17, ''5 s'');';
 
 CREATE OR REPLACE FUNCTION outbox.release_owner(consumer text, owner text) RETURNS int
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
@@ -1018,42 +646,6 @@ BEGIN
     RETURN n;
 END
 $$;
-COMMENT ON FUNCTION outbox.release_owner(text, text) IS
-    'Gives back every batch a relay (by its claim owner name) holds for the consumer, e.g. after '
-    'the relay died; its late acks are refused. Returns how many. '
-    'Example: SELECT outbox.release_owner(''hook'', ''relay-7'');';
-
-CREATE OR REPLACE FUNCTION outbox.replay(consumer text, aggregate_id text DEFAULT NULL) RETURNS int
-    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    c outbox.consumers := outbox._consumer(consumer);
-    n int;
-BEGIN
-    -- Hold every shard of the consumer so no ack unparks a key while we queue into it.
-    PERFORM FROM outbox._shards s WHERE s.consumer_id = c.id ORDER BY s.shard FOR UPDATE;
-    INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
-    SELECT DISTINCT c.id, d.aggregate_id, outbox.shard_of(d.aggregate_id), now()
-      FROM outbox.dead_letters d
-     WHERE d.consumer = c.name AND (replay.aggregate_id IS NULL OR d.aggregate_id = replay.aggregate_id)
-    ON CONFLICT DO NOTHING;
-    WITH moved AS (
-        DELETE FROM outbox.dead_letters d
-         WHERE d.consumer = c.name AND (replay.aggregate_id IS NULL OR d.aggregate_id = replay.aggregate_id)
-        RETURNING d.*)
-    INSERT INTO outbox._parked_events (consumer_id, aggregate_id, id, topic, aggregate_type,
-                                       event_type, payload, headers, created_at, seq)
-    SELECT c.id, m.aggregate_id, m.event_id, m.topic, m.aggregate_type, m.event_type, m.payload,
-           m.headers, m.created_at, m.seq
-      FROM moved m ORDER BY m.id
-    ON CONFLICT (consumer_id, id) DO NOTHING;
-    GET DIAGNOSTICS n = ROW_COUNT;
-    RETURN n;
-END
-$$;
-COMMENT ON FUNCTION outbox.replay(text, text) IS
-    'Re-queues a consumer''s dead letters (all, or of one key), in the order they died, behind '
-    'anything already queued for their keys; returns how many. Example: SELECT outbox.replay(''hook'');';
 
 -- As pgrx declares it (src/sinks/check.rs).
 CREATE OR REPLACE FUNCTION outbox."_check_sink_settings"(
@@ -1064,36 +656,6 @@ CREATE OR REPLACE FUNCTION outbox."_check_sink_settings"(
 IMMUTABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'check_sink_settings_wrapper';
-
--- outbox_ext: the inbox — dedup for idempotent consumers.
---
--- inbox.claim(message_id, consumer) inserts (message_id, consumer) with ON CONFLICT DO NOTHING,
--- in the caller's transaction, next to the effect it guards. The table is partitioned by
--- message_id: outbox event ids are UUIDv7, whose leading 48 bits are the Unix time in ms, so
--- id ranges are time ranges, the primary key holds across partitions, and the dedup window
--- (retention) is enforced by dropping old partitions. Ids that are not UUIDv7 dedup all the
--- same in the default partition.
---
--- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
--- Name resolution (sql/grants.sql): inbox.claim is [pinned], uuid_at and uuid_time [parsed].
-
-CREATE TABLE IF NOT EXISTS inbox.messages (
-    message_id  uuid        NOT NULL,
-    consumer    text        NOT NULL,
-    received_at timestamptz NOT NULL DEFAULT now()
-) PARTITION BY RANGE (message_id);  -- each partition has its unique key (sql/partitions.sql)
-COMMENT ON TABLE inbox.messages IS
-    'Messages consumers have processed, for dedup; partitioned by message_id (UUIDv7 time).';
-
--- The smallest UUIDv7 of a moment, and the moment of a UUIDv7: partition bounds of the inbox.
-CREATE OR REPLACE FUNCTION inbox.uuid_at(ts timestamptz) RETURNS uuid
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    RETURN (lpad(to_hex(floor(extract(epoch FROM ts) * 1000)::bigint), 12, '0') || '70008000000000000000')::uuid;
-COMMENT ON FUNCTION inbox.uuid_at(timestamptz) IS 'The smallest UUIDv7 made at a moment.';
-CREATE OR REPLACE FUNCTION inbox.uuid_time(id uuid) RETURNS timestamptz
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    RETURN to_timestamp(('x' || lpad(left(replace(id::text, '-', ''), 12), 16, '0'))::bit(64)::bigint / 1000.0);
-COMMENT ON FUNCTION inbox.uuid_time(uuid) IS 'The time a UUIDv7 was made (meaningless for other UUIDs).';
 
 CREATE OR REPLACE FUNCTION inbox.claim(message_id uuid, consumer text) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
@@ -1113,56 +675,6 @@ BEGIN
     RETURN FOUND;
 END
 $$;
-COMMENT ON FUNCTION inbox.claim(uuid, text) IS
-    'True if the caller''s transaction is the first to process this message for this consumer. '
-    'A racing duplicate waits for the first transaction: false if it commits, true if it rolls back. '
-    'Example: IF inbox.claim(event_id, ''billing'') THEN <apply the effect> END IF;';
--- outbox_ext: sinks — where the background worker delivers events. A sink is a row here plus
--- a consumer of the same name (its cursors, retry policy, parked keys and dead letters).
--- Only outbox_admin can read or change this table: it holds secrets. The worker rereads it
--- every second, so changes apply without a restart.
---
--- Rerunnable (upgrade scripts include it): tables only where missing, functions replaced.
--- Name resolution (sql/grants.sql): the trigger function is [pinned], create_sink and drop_sink
--- are [caller], outbox._check_sink_settings is [native], _is_string_map is [parsed].
-
-CREATE TABLE IF NOT EXISTS outbox.sinks (
-    name            text        PRIMARY KEY REFERENCES outbox.consumers (name)
-                                ON UPDATE CASCADE ON DELETE CASCADE,
-    kind            text        NOT NULL,   -- webhook | kafka_rest_v2 | kafka_rest_v3
-    url             text        NOT NULL,   -- webhook: the endpoint; Kafka: the proxy's base URL
-    enabled         boolean     NOT NULL DEFAULT true,
-    topics          text[],                 -- routing: only events of these topics (NULL: all)
-    aggregate_types text[],                 -- routing: only these aggregate types (NULL: all)
-    format          text,                   -- webhook: batch | single; v2: json | binary;
-                                            -- v3: json | binary | string (NULL: the first)
-    batch_size      int         NOT NULL DEFAULT 100,
-    concurrency     int         NOT NULL DEFAULT 4,   -- shards (requests) in flight at once
-    connect_timeout interval    NOT NULL DEFAULT '5 seconds',
-    request_timeout interval    NOT NULL DEFAULT '30 seconds',
-    secret          text,                   -- webhook: Standard Webhooks key, whsec_<base64>
-    http_headers    jsonb,                  -- extra request headers, e.g. Authorization
-    tls_ca          text,                   -- PEM CA certificates trusted instead of the public roots
-    topic_map       jsonb,                  -- Kafka: {"event topic": "Kafka topic"}
-    cluster_id      text,                   -- Kafka v3: the cluster in the URL path
-    updated_at      timestamptz NOT NULL DEFAULT now()
-);
-COMMENT ON TABLE outbox.sinks IS
-    'Where the background worker delivers events (admins only: holds secrets). Add one with '
-    'outbox.create_sink; change it with UPDATE (applies within a second); retry policy is in '
-    'outbox.consumers under the same name.';
-
--- What the worker reports per sink (a few UPDATEs a second at most, HOT).
-CREATE TABLE IF NOT EXISTS outbox._sink_stats (
-    sink              text        PRIMARY KEY REFERENCES outbox.sinks ON UPDATE CASCADE ON DELETE CASCADE,
-    delivered         bigint      NOT NULL DEFAULT 0,
-    failed            bigint      NOT NULL DEFAULT 0,
-    per_second        float8      NOT NULL DEFAULT 0,
-    last_delivered_at timestamptz,
-    last_error        text,
-    last_error_at     timestamptz,
-    updated_at        timestamptz NOT NULL DEFAULT now()
-);
 
 -- Every check a sink row must pass, with the fix in the hint; also stamps updated_at (the
 -- worker rebuilds a sink's client when it changes). SECURITY DEFINER: it calls internal
@@ -1250,123 +762,10 @@ CREATE OR REPLACE FUNCTION outbox._routes(sink outbox.sinks, topic text, aggrega
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
     RETURN (sink.topics IS NULL OR coalesce(topic, aggregate_type) = ANY (sink.topics))
        AND (sink.aggregate_types IS NULL OR aggregate_type = ANY (sink.aggregate_types));
-
-CREATE OR REPLACE FUNCTION outbox._is_string_map(j jsonb) RETURNS boolean
-    LANGUAGE sql IMMUTABLE
-    RETURN j IS NULL OR (jsonb_typeof(j) = 'object' AND
-                         NOT jsonb_path_exists(j, '$.* ? (@.type() != "string")'));
-
-CREATE OR REPLACE TRIGGER check_sink BEFORE INSERT OR UPDATE ON outbox.sinks
-    FOR EACH ROW EXECUTE FUNCTION outbox._check_sink();
-
-CREATE OR REPLACE FUNCTION outbox.create_sink(
-    name            text,
-    kind            text,
-    url             text,
-    topics          text[]   DEFAULT NULL,
-    aggregate_types text[]   DEFAULT NULL,
-    format          text     DEFAULT NULL,
-    batch_size      int      DEFAULT 100,
-    concurrency     int      DEFAULT 4,
-    connect_timeout interval DEFAULT '5 seconds',
-    request_timeout interval DEFAULT '30 seconds',
-    secret          text     DEFAULT NULL,
-    http_headers    jsonb    DEFAULT NULL,
-    tls_ca          text     DEFAULT NULL,
-    topic_map       jsonb    DEFAULT NULL,
-    cluster_id      text     DEFAULT NULL,
-    max_attempts    int      DEFAULT 10,
-    backoff_base    interval DEFAULT '1 second',
-    backoff_max     interval DEFAULT '10 minutes',
-    from_beginning  boolean  DEFAULT false
-) RETURNS void
-    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    PERFORM outbox.create_consumer(name, from_beginning, max_attempts, backoff_base, backoff_max);
-    INSERT INTO outbox.sinks (name, kind, url, topics, aggregate_types, format, batch_size,
-                              concurrency, connect_timeout, request_timeout, secret, http_headers,
-                              tls_ca, topic_map, cluster_id)
-    VALUES (name, kind, url, topics, aggregate_types, format, batch_size, concurrency,
-            connect_timeout, request_timeout, secret, http_headers, tls_ca, topic_map, cluster_id);
-END
-$$;
-COMMENT ON FUNCTION outbox.create_sink(text, text, text, text[], text[], text, int, int, interval,
-                                       interval, text, jsonb, text, jsonb, text, int, interval,
-                                       interval, boolean) IS
-    'Adds a sink and its consumer; the worker delivers to it within a second, events committed '
-    'from now on (or all, from_beginning). Example: SELECT outbox.create_sink(''billing'', '
-    '''webhook'', ''https://billing.example.com/hooks'', secret => ''whsec_...'');';
-
-CREATE OR REPLACE FUNCTION outbox.drop_sink(name text) RETURNS boolean
-    LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp
-    RETURN outbox.drop_consumer(name);
-COMMENT ON FUNCTION outbox.drop_sink(text) IS
-    'Drops a sink with its consumer, parked keys and dead letters; false if there was none. '
-    'Example: SELECT outbox.drop_sink(''billing'');';
--- outbox_ext: partitions of the event log and the inbox, and their maintenance.
---
--- outbox.events is partitioned by created_at, inbox.messages by message_id (UUIDv7, so by
--- time too). outbox.maintain() keeps both: it creates partitions ahead, drops (or detaches)
--- those past their retention — for events only once every consumer has read past all of their
--- events — and moves rows that landed in a default partition into partitions of their own.
--- Partitions are named <parent>_pYYYYMMDD_HH24MISS after their lower bound in UTC.
---
--- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
--- Name resolution (sql/grants.sql): maintain() is [pinned]; the helpers that run dynamic SQL
--- (_create_partition, _partition_pending, _revoke_all, _index_partition) pin search_path too,
--- the others are [parsed]; the view is [parsed].
-
-CREATE TABLE IF NOT EXISTS outbox.partition_config (
-    parent    regclass PRIMARY KEY,
-    width     interval NOT NULL CHECK (width > '0'),
-    ahead     int      NOT NULL DEFAULT 2 CHECK (ahead >= 0),
-    retention interval NOT NULL CHECK (retention >= '0'),
-    detach    boolean  NOT NULL DEFAULT false
-);
-COMMENT ON TABLE outbox.partition_config IS
-    'How outbox.maintain() partitions each table: width of a partition, how many to create ahead, '
-    'how long to keep them (for events: after every consumer has read them), and whether to detach '
-    'instead of drop. Example: UPDATE outbox.partition_config SET retention = ''3 days'' WHERE parent = ''outbox.events''::regclass;';
 INSERT INTO outbox.partition_config (parent, width, ahead, retention) VALUES
     ('outbox.events', '1 day', 2, '2 days'),
     ('inbox.messages', '1 day', 2, '7 days')
 ON CONFLICT (parent) DO NOTHING;
-
-CREATE OR REPLACE FUNCTION outbox._partition_name(parent text, lo_at timestamptz) RETURNS text
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    RETURN parent || '_p' || pg_catalog.to_char(lo_at AT TIME ZONE 'UTC', 'YYYYMMDD"_"HH24MISS');
-
--- The partition key column of a table, and its value at a moment, as a literal (the inbox's
--- key is a UUIDv7).
-CREATE OR REPLACE FUNCTION outbox._key_column(parent regclass) RETURNS text
-    LANGUAGE sql IMMUTABLE
-    RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN 'message_id' ELSE 'created_at' END;
--- The time of a row's partition key, as an SQL expression.
-CREATE OR REPLACE FUNCTION outbox._key_time(parent regclass) RETURNS text
-    LANGUAGE sql IMMUTABLE
-    RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN 'inbox.uuid_time(message_id)' ELSE 'created_at' END;
-CREATE OR REPLACE FUNCTION outbox._bound(parent regclass, at timestamptz) RETURNS text
-    LANGUAGE sql STABLE
-    RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN inbox.uuid_at(at)::text ELSE at::text END;
-
--- Every partition of the two tables with its time range (NULLs for a default partition).
-CREATE OR REPLACE VIEW outbox.partitions AS
-SELECT i.inhparent::regclass AS parent,
-       c.oid::regclass AS partition,
-       CASE WHEN i.inhparent = 'inbox.messages'::regclass THEN inbox.uuid_time(b[1]::uuid) ELSE b[1]::timestamptz END AS lower,
-       CASE WHEN i.inhparent = 'inbox.messages'::regclass THEN inbox.uuid_time(b[2]::uuid) ELSE b[2]::timestamptz END AS upper,
-       b IS NULL AS is_default,
-       pg_total_relation_size(c.oid) AS bytes
-  FROM pg_inherits i
-  JOIN pg_class c ON c.oid = i.inhrelid
-  LEFT JOIN LATERAL regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \(''([^'']*)''\) TO \(''([^'']*)''\)') AS b ON true
- WHERE i.inhparent IN ('outbox.events'::regclass, 'inbox.messages'::regclass);
-COMMENT ON VIEW outbox.partitions IS 'Partitions of outbox.events and inbox.messages with their time ranges.';
-
-CREATE OR REPLACE FUNCTION outbox._floor_time(at timestamptz, width interval) RETURNS timestamptz
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    RETURN to_timestamp(floor(extract(epoch FROM at) / extract(epoch FROM width)) * extract(epoch FROM width));
 
 -- The index a partition of parent needs: events, (shard, seq, txid), which claims read; the
 -- inbox, unique (message_id, consumer), which dedups (message_id decides the partition, so a
@@ -1609,17 +1008,6 @@ BEGIN
      WHERE m.at < now() - interval '1 hour' AND m.top < (SELECT max(k.top) FROM outbox._marks k);
 END
 $$;
-COMMENT ON FUNCTION outbox.maintain() IS
-    'Creates partitions ahead, drops (or detaches) those past retention once every consumer has '
-    'read them, moves rows out of default partitions, trims cursor history; returns what it did. '
-    'Safe to run concurrently (one runs, the other skips) and from pg_cron: '
-    'SELECT cron.schedule(''outbox-maintain'', ''* * * * *'', ''SELECT * FROM outbox.maintain()'');';
-
--- The default partitions belong to the extension; dated partitions do not: CREATE EXTENSION
--- makes none (the first outbox.maintain() does, which the worker runs soon after), so that a
--- restore, which runs CREATE EXTENSION first, does not make partitions its dump brings too.
-CREATE TABLE IF NOT EXISTS outbox.events_default PARTITION OF outbox.events DEFAULT;
-CREATE TABLE IF NOT EXISTS inbox.messages_default PARTITION OF inbox.messages DEFAULT;
 SELECT outbox._index_partition('outbox.events', 'outbox.events_default');
 SELECT outbox._index_partition('inbox.messages', 'inbox.messages_default');
 
@@ -1666,7 +1054,7 @@ CREATE OR REPLACE TRIGGER restore_partition_config BEFORE INSERT ON outbox.parti
 -- Name resolution (sql/grants.sql): the trigger functions are [pinned]; _rebase and
 -- _rebase_if_restored run [inside] pinned functions.
 --
--- Rerunnable (upgrade scripts include it).
+-- Rerunnable.
 
 CREATE TABLE IF NOT EXISTS outbox._origin (
     one             boolean     PRIMARY KEY DEFAULT true CHECK (one),  -- a single row
@@ -1816,44 +1204,6 @@ SELECT c.name AS consumer,
          WHERE e.shard = cur.shard AND e.seq > outbox._pending_floor(cur)
            AND outbox._pending(cur, e.txid, e.seq)
            AND (k.name IS NULL OR outbox._routes(k, e.topic, e.aggregate_type))) AS pend;  -- a sink's own
-COMMENT ON VIEW outbox.shard_status IS
-    'Per consumer and shard: pending events, the oldest one and its age, parked keys, who holds the lease.';
-
-CREATE OR REPLACE VIEW outbox.status AS
-SELECT s.consumer,
-       sum(s.pending)::bigint AS pending,
-       min(s.oldest_pending_at) AS oldest_pending_at,
-       now() - min(s.oldest_pending_at) AS lag,
-       sum(s.parked_keys)::bigint AS parked_keys,
-       (SELECT count(*) FROM outbox._parked_events q JOIN outbox.consumers c ON c.id = q.consumer_id
-         WHERE c.name = s.consumer) AS parked_events,
-       (SELECT count(*) FROM outbox.dead_letters d WHERE d.consumer = s.consumer) AS dead_letters,
-       coalesce((SELECT p.last_error FROM outbox._parked p JOIN outbox.consumers c ON c.id = p.consumer_id
-                  WHERE c.name = s.consumer ORDER BY p.parked_at DESC LIMIT 1),
-                (SELECT d.last_error FROM outbox.dead_letters d WHERE d.consumer = s.consumer
-                  ORDER BY d.id DESC LIMIT 1)) AS last_error,
-       count(s.leased_by) AS shards_leased,
-       max(s.last_activity) AS last_activity,
-       (SELECT count(*) FROM outbox.events_default) AS events_in_default_partition,
-       k.kind AS sink_kind,
-       k.enabled AS sink_enabled,
-       -- the worker's figures (outbox._sink_stats), written every two seconds while it runs
-       CASE WHEN st.updated_at > now() - interval '10 seconds' THEN st.per_second ELSE 0 END
-           AS delivered_per_second,
-       st.delivered AS delivered_total,
-       st.failed AS failed_total,
-       st.last_delivered_at,
-       st.last_error AS last_sink_error,
-       st.last_error_at AS last_sink_error_at
-  FROM outbox.shard_status s
-  LEFT JOIN outbox.sinks k ON k.name = s.consumer
-  LEFT JOIN outbox._sink_stats st ON st.sink = s.consumer
- GROUP BY s.consumer, k.name, st.sink;
-COMMENT ON VIEW outbox.status IS
-    'One row per consumer (a sink is one): pending events and lag, parked keys and events, dead '
-    'letters, the last error, leased shards, events waiting in the default partition '
-    '(outbox.maintain() moves them), and for a sink the worker''s delivery rate and last error. '
-    'Example: SELECT consumer, pending, lag, dead_letters, last_error FROM outbox.status;';
 -- outbox_ext: DROP EXTENSION outbox_ext does not discard undelivered events silently. An event
 -- trigger (native, src/backup.rs) refuses the DROP while a consumer has events pending, parked
 -- keys or dead letters, unless outbox_ext.drop_undelivered is on.
@@ -1861,7 +1211,7 @@ COMMENT ON VIEW outbox.status IS
 -- Name resolution (sql/grants.sql): _undelivered is [pinned]; the trigger function is [native]
 -- and runs one statement, SELECT outbox._undelivered().
 --
--- Rerunnable (upgrade scripts include it).
+-- Rerunnable.
 
 -- What would be lost, per consumer, or NULL when nothing would.
 CREATE OR REPLACE FUNCTION outbox._undelivered() RETURNS text
