@@ -182,14 +182,14 @@ COMMENT ON TYPE outbox.claimed IS
 -- Internals
 ---------------------------------------------------------------------------------------------
 
-CREATE OR REPLACE FUNCTION outbox._consumer(name text) RETURNS outbox.consumers
+CREATE OR REPLACE FUNCTION outbox_internal._consumer(name text) RETURNS outbox.consumers
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
     c outbox.consumers;
 BEGIN
-    PERFORM outbox._not_null(name IS NULL, 'consumer', 'the function');
-    PERFORM outbox._rebase_if_restored();
+    PERFORM outbox_internal._not_null(name IS NULL, 'consumer', 'the function');
+    PERFORM outbox_internal._rebase_if_restored();
     SELECT * INTO c FROM outbox.consumers WHERE consumers.name = _consumer.name;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'consumer "%" does not exist', name
@@ -201,7 +201,7 @@ END
 $$;
 
 -- The one NULL check of the API's arguments: 22004, naming the argument and the function.
-CREATE OR REPLACE FUNCTION outbox._not_null(is_null boolean, arg text, func text) RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._not_null(is_null boolean, arg text, func text) RETURNS void
     LANGUAGE plpgsql IMMUTABLE
 AS $$
 BEGIN
@@ -214,7 +214,7 @@ END
 $$;
 
 -- An interval argument: positive (or zero, if zero_ok) and at most max, else 22023.
-CREATE OR REPLACE FUNCTION outbox._check_interval(v interval, arg text, max interval, zero_ok boolean)
+CREATE OR REPLACE FUNCTION outbox_internal._check_interval(v interval, arg text, max interval, zero_ok boolean)
 RETURNS void
     LANGUAGE plpgsql IMMUTABLE
 AS $$
@@ -227,7 +227,7 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox._check_shard(shard int) RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._check_shard(shard int) RETURNS void
     LANGUAGE plpgsql IMMUTABLE
 AS $$
 BEGIN
@@ -241,7 +241,7 @@ END
 $$;
 
 -- The newest cursor row of a (consumer, shard).
-CREATE OR REPLACE FUNCTION outbox._cursor(consumer_id int, shard int) RETURNS outbox._cursor_log
+CREATE OR REPLACE FUNCTION outbox_internal._cursor(consumer_id int, shard int) RETURNS outbox._cursor_log
     LANGUAGE plpgsql STABLE
 AS $$
 DECLARE
@@ -254,7 +254,7 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox._append(cur outbox._cursor_log) RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._append(cur outbox._cursor_log) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
@@ -273,7 +273,7 @@ $$;
 -- The in-progress list of a bound: the snapshot's xip, every xid from its xmax to x, and x.
 -- (Helpers on the claim path are plpgsql, not SQL: plpgsql keeps their plans for the session,
 -- while a SQL function called from plpgsql is planned again in every transaction.)
-CREATE OR REPLACE FUNCTION outbox._in_progress(snap pg_snapshot, x xid8) RETURNS xid8[]
+CREATE OR REPLACE FUNCTION outbox_internal._in_progress(snap pg_snapshot, x xid8) RETURNS xid8[]
     LANGUAGE plpgsql IMMUTABLE
 AS $$
 BEGIN
@@ -288,13 +288,13 @@ $$;
 
 -- The top of a bound taken with snapshot snap after xid x: every xid below it was finished or
 -- in progress then, every xid from it on was assigned after the bound's seq was read.
-CREATE OR REPLACE FUNCTION outbox._top(snap pg_snapshot, x xid8) RETURNS xid8
+CREATE OR REPLACE FUNCTION outbox_internal._top(snap pg_snapshot, x xid8) RETURNS xid8
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN greatest(pg_catalog.pg_snapshot_xmax(snap), (x::text::bigint + 1)::text::xid8);
 
 -- Transactions of lo's in-progress list that the cursor's hi sees finished, with the lowest
 -- of their floors: part (b) of the window.
-CREATE OR REPLACE FUNCTION outbox._late(cur outbox._cursor_log, OUT txids xid8[], OUT floor_seq bigint)
+CREATE OR REPLACE FUNCTION outbox_internal._late(cur outbox._cursor_log, OUT txids xid8[], OUT floor_seq bigint)
     LANGUAGE plpgsql IMMUTABLE
 AS $$
 BEGIN
@@ -311,7 +311,7 @@ $$;
 -- read after the snapshot: pages of the window scan only that range for them.
 -- Generic plans: custom ones would plan the scan of every partition again in each of a
 -- session's first windows.
-CREATE OR REPLACE FUNCTION outbox._open_window(cur outbox._cursor_log, seq_mark bigint, x xid8)
+CREATE OR REPLACE FUNCTION outbox_internal._open_window(cur outbox._cursor_log, seq_mark bigint, x xid8)
 RETURNS outbox._cursor_log
     LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_generic_plan
 AS $$
@@ -332,17 +332,17 @@ BEGIN
         cur.hi_seq := seq_mark;
         cur.hi_snap := pg_current_snapshot();
         seq_end := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
-        cur.hi_top := outbox._top(cur.hi_snap, x);
+        cur.hi_top := outbox_internal._top(cur.hi_snap, x);
         SELECT coalesce(array_agg(t ORDER BY t), '{}'),
                coalesce(array_agg(CASE WHEN t = x THEN seq_mark
                                        ELSE greatest(coalesce(u.f, cur.lo_seq),
                                                      (SELECT m.seq FROM outbox._marks m WHERE m.top < t
                                                        ORDER BY m.top DESC LIMIT 1)) END ORDER BY t), '{}')
           INTO cur.hi_txids, cur.hi_floors
-          FROM unnest(outbox._in_progress(cur.hi_snap, x)) AS t
+          FROM unnest(outbox_internal._in_progress(cur.hi_snap, x)) AS t
           LEFT JOIN unnest(cur.lo_txids, cur.lo_floors) AS u(id, f) ON u.id = t;
     END IF;
-    late := outbox._late(cur);
+    late := outbox_internal._late(cur);
     cur.late_from := NULL; cur.late_to := NULL;
     IF cardinality(late.txids) > 0 THEN
         -- One pass over the range per transaction (there are few), txid = t checked on the
@@ -362,7 +362,7 @@ $$;
 
 -- The position after delivering through batch_end: the same window further on, or, when the
 -- window is exhausted, no window yet after its upper bound.
-CREATE OR REPLACE FUNCTION outbox._advance(cur outbox._cursor_log, batch_end bigint, exhausted boolean)
+CREATE OR REPLACE FUNCTION outbox_internal._advance(cur outbox._cursor_log, batch_end bigint, exhausted boolean)
 RETURNS outbox._cursor_log
     LANGUAGE plpgsql IMMUTABLE
 AS $$
@@ -373,7 +373,7 @@ BEGIN
         IF cur.lo_top = cur.restored_top THEN
             -- Restored, and the dump's last window is done: every event of the dump is. Go on in
             -- this cluster's transaction ids, with every event after the dump's (a greater seq).
-            cur := outbox._lo_after_seq(cur, cur.restored_seq);
+            cur := outbox_internal._lo_after_seq(cur, cur.restored_seq);
             cur.restored_seq := NULL; cur.restored_top := NULL;
         END IF;
         cur.hi_snap := NULL; cur.hi_seq := NULL; cur.hi_top := NULL;
@@ -390,7 +390,7 @@ $$;
 
 -- The lower bound "every event with a greater seq is still to come, whatever its txid", with
 -- no window open: where a cursor goes on after a dump's events (see sql/restore.sql).
-CREATE OR REPLACE FUNCTION outbox._lo_after_seq(cur outbox._cursor_log, seq bigint) RETURNS outbox._cursor_log
+CREATE OR REPLACE FUNCTION outbox_internal._lo_after_seq(cur outbox._cursor_log, seq bigint) RETURNS outbox._cursor_log
     LANGUAGE plpgsql IMMUTABLE
 AS $$
 BEGIN
@@ -403,15 +403,15 @@ $$;
 
 -- A window done: no window yet after it. Leaving a dump's events (see _advance) is recorded
 -- at once, so that later claims do not look through them again.
-CREATE OR REPLACE FUNCTION outbox._next_window(cur outbox._cursor_log) RETURNS outbox._cursor_log
+CREATE OR REPLACE FUNCTION outbox_internal._next_window(cur outbox._cursor_log) RETURNS outbox._cursor_log
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
     restored boolean := cur.restored_seq IS NOT NULL;
 BEGIN
-    cur := outbox._advance(cur, NULL, true);
+    cur := outbox_internal._advance(cur, NULL, true);
     IF restored AND cur.restored_seq IS NULL THEN
-        PERFORM outbox._append(cur);
+        PERFORM outbox_internal._append(cur);
     END IF;
     RETURN cur;
 END
@@ -420,7 +420,7 @@ $$;
 -- What is pending for a consumer: whether the event (txid, seq) of the cursor's shard is still
 -- to be delivered. Every such event has a seq above _pending_floor, which bounds index scans.
 -- Status and partition maintenance ask this; claims read the same set window by window.
-CREATE OR REPLACE FUNCTION outbox._pending(cur outbox._cursor_log, txid xid8, seq bigint) RETURNS boolean
+CREATE OR REPLACE FUNCTION outbox_internal._pending(cur outbox._cursor_log, txid xid8, seq bigint) RETURNS boolean
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
     RETURN seq > cur.restored_seq  -- emitted after a restore (sql/restore.sql): not read yet
         OR (NOT pg_catalog.pg_visible_in_snapshot(txid, cur.lo_snap)
@@ -430,7 +430,7 @@ CREATE OR REPLACE FUNCTION outbox._pending(cur outbox._cursor_log, txid xid8, se
 -- delivered, so a pending one up to there is in progress at hi: above its hi floor.
 -- PL/pgSQL without a query, not SQL: its callers are PL/pgSQL, which would run a SQL
 -- function's body anew (about 30 µs) on every call.
-CREATE OR REPLACE FUNCTION outbox._pending_floor(cur outbox._cursor_log) RETURNS bigint
+CREATE OR REPLACE FUNCTION outbox_internal._pending_floor(cur outbox._cursor_log) RETURNS bigint
     LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
 AS $$
 DECLARE
@@ -452,7 +452,7 @@ $$;
 -- generic (see the API's SET clause): a custom plan, costed with the actual bounds, would
 -- rather sort a whole backlog. A restored cursor reads only the dump's events, whose txids
 -- are the dump's (sql/restore.sql).
-CREATE OR REPLACE FUNCTION outbox._window(shard int, cur outbox._cursor_log, upto bigint, lim int)
+CREATE OR REPLACE FUNCTION outbox_internal._window(shard int, cur outbox._cursor_log, upto bigint, lim int)
 RETURNS SETOF outbox.events
     LANGUAGE sql STABLE
 AS $$
@@ -470,24 +470,24 @@ AS $$
             AND e.shard = _window.shard
             AND e.seq >= cur.late_from AND e.seq > coalesce(cur.after_seq, -1)
             AND e.seq <= least(cur.late_to, coalesce(upto, 9223372036854775807), cur.restored_seq)
-            AND e.txid = ANY ((SELECT (outbox._late(cur)).txids)::xid8[])  -- once, not per row
+            AND e.txid = ANY ((SELECT (outbox_internal._late(cur)).txids)::xid8[])  -- once, not per row
           ORDER BY e.seq LIMIT lim)
     ) AS w ORDER BY w.seq LIMIT lim
 $$;
 
 -- Lock a shard for ack/nack/release and return its cursor, refusing a stale epoch.
-CREATE OR REPLACE FUNCTION outbox._leased(consumer_id int, shard int, epoch bigint) RETURNS outbox._cursor_log
+CREATE OR REPLACE FUNCTION outbox_internal._leased(consumer_id int, shard int, epoch bigint) RETURNS outbox._cursor_log
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
     cur outbox._cursor_log;
 BEGIN
-    PERFORM outbox._not_null(shard IS NULL, 'shard', 'the function (the shard a claimed row came with)');
-    PERFORM outbox._not_null(epoch IS NULL, 'epoch', 'the function (the epoch a claimed row came with)');
-    PERFORM outbox._check_shard(shard);
+    PERFORM outbox_internal._not_null(shard IS NULL, 'shard', 'the function (the shard a claimed row came with)');
+    PERFORM outbox_internal._not_null(epoch IS NULL, 'epoch', 'the function (the epoch a claimed row came with)');
+    PERFORM outbox_internal._check_shard(shard);
     PERFORM FROM outbox._shards s
      WHERE s.consumer_id = _leased.consumer_id AND s.shard = _leased.shard FOR UPDATE;
-    cur := outbox._cursor(consumer_id, shard);
+    cur := outbox_internal._cursor(consumer_id, shard);
     IF cur.epoch IS DISTINCT FROM epoch OR cur.owner IS NULL THEN
         RAISE EXCEPTION 'the batch of shard % with epoch % is no longer held', shard, epoch
             USING ERRCODE = 'object_not_in_prerequisite_state',
@@ -501,14 +501,14 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox._backoff(c outbox.consumers, attempts int) RETURNS interval
+CREATE OR REPLACE FUNCTION outbox_internal._backoff(c outbox.consumers, attempts int) RETURNS interval
     LANGUAGE sql VOLATILE
     RETURN least(c.backoff_max, c.backoff_base * power(2, least(attempts - 1, 30)))
            * (0.5 + random() / 2);
 
 -- The head of a parked key failed: count it, schedule the retry; past max_attempts (or at once
 -- when the failure is final) move the head to dead_letters and let the key move on.
-CREATE OR REPLACE FUNCTION outbox._head_failed(c outbox.consumers, key text, error text,
+CREATE OR REPLACE FUNCTION outbox_internal._head_failed(c outbox.consumers, key text, error text,
                                     retry_after interval, epoch bigint, final boolean) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
@@ -517,7 +517,7 @@ DECLARE
 BEGIN
     UPDATE outbox._parked p
        SET attempts = p.attempts + 1, last_error = error, nacked_epoch = epoch,
-           next_attempt_at = now() + coalesce(retry_after, outbox._backoff(c, p.attempts + 1))
+           next_attempt_at = now() + coalesce(retry_after, outbox_internal._backoff(c, p.attempts + 1))
      WHERE p.consumer_id = c.id AND p.aggregate_id = key
     RETURNING p.attempts INTO n;
     IF n < c.max_attempts AND NOT final THEN
@@ -536,11 +536,11 @@ BEGIN
       FROM head h;
     UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
      WHERE p.consumer_id = c.id AND p.aggregate_id = key;
-    PERFORM outbox._unpark_if_empty(c.id, key);
+    PERFORM outbox_internal._unpark_if_empty(c.id, key);
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox._unpark_if_empty(consumer_id int, key text) RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._unpark_if_empty(consumer_id int, key text) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
@@ -552,7 +552,7 @@ END
 $$;
 
 -- Copy events of parked keys into their queues (idempotent: a re-claim copies nothing twice).
-CREATE OR REPLACE FUNCTION outbox._queue_parked(consumer_id int, events outbox.events[]) RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._queue_parked(consumer_id int, events outbox.events[]) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 #variable_conflict use_column
@@ -570,7 +570,7 @@ $$;
 -- The bound every window a claim opens closes at: the event seq, then a fresh xid (see the
 -- header), taken before the transaction writes anything (_check_claim refused a transaction
 -- that had). Once a second it is also recorded as a mark (outbox._marks).
-CREATE OR REPLACE FUNCTION outbox._claim_bound(OUT seq bigint, OUT x xid8)
+CREATE OR REPLACE FUNCTION outbox_internal._claim_bound(OUT seq bigint, OUT x xid8)
     LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
@@ -585,7 +585,7 @@ $$;
 
 -- A claim's arguments, and that its transaction has not written yet (its bound must come first,
 -- even when it finds nothing: the rule does not depend on the backlog).
-CREATE OR REPLACE FUNCTION outbox._check_claim(batch_size int, lease interval, func text) RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._check_claim(batch_size int, lease interval, func text) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
@@ -594,9 +594,9 @@ BEGIN
             USING ERRCODE = 'active_sql_transaction',
                   HINT = 'Call it in a transaction of its own (autocommit is fine).';
     END IF;
-    PERFORM outbox._not_null(batch_size IS NULL, 'batch_size', func);
-    PERFORM outbox._not_null(lease IS NULL, 'lease', func);
-    PERFORM outbox._check_interval(lease, 'lease', '1 day', false);
+    PERFORM outbox_internal._not_null(batch_size IS NULL, 'batch_size', func);
+    PERFORM outbox_internal._not_null(lease IS NULL, 'lease', func);
+    PERFORM outbox_internal._check_interval(lease, 'lease', '1 day', false);
     IF batch_size < 1 OR batch_size > 100000 THEN
         RAISE EXCEPTION 'batch_size % is out of range', batch_size
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass 1 to 100000.';
@@ -608,7 +608,7 @@ $$;
 -- then has no batch out under a live lease, and has something to read: parked keys (parked),
 -- a window open, or an event above its floor (one index probe; no window is opened for
 -- nothing). Otherwise no cursor.
-CREATE OR REPLACE FUNCTION outbox._free_cursor(consumer_id int, shard int,
+CREATE OR REPLACE FUNCTION outbox_internal._free_cursor(consumer_id int, shard int,
                                                OUT cur outbox._cursor_log, OUT parked boolean)
     LANGUAGE plpgsql VOLATILE
 AS $$
@@ -621,7 +621,7 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;  -- another claim is taking this shard right now
     END IF;
-    cur := outbox._cursor(consumer_id, shard);
+    cur := outbox_internal._cursor(consumer_id, shard);
     IF cur.lease_until > now() THEN
         cur := NULL;  -- a batch is out under a live lease, or a release asked to wait
         RETURN;
@@ -629,7 +629,7 @@ BEGIN
     parked := EXISTS (SELECT FROM outbox._parked p
                        WHERE p.consumer_id = _free_cursor.consumer_id AND p.shard = _free_cursor.shard);
     IF NOT parked AND cur.hi_snap IS NULL AND cur.restored_seq IS NULL THEN
-        floor_seq := outbox._pending_floor(cur);  -- a value: the probe's index bound
+        floor_seq := outbox_internal._pending_floor(cur);  -- a value: the probe's index bound
         IF NOT EXISTS (SELECT FROM outbox.events e
                         WHERE e.shard = _free_cursor.shard AND e.seq > floor_seq) THEN
             cur := NULL;
@@ -644,7 +644,7 @@ $$;
 -- False means every shard's _free_cursor would find nothing to read, so a claim with nothing to
 -- do (an idle relay's poll) stops here and writes nothing: no row lock, no mark, no commit
 -- record. True may still find nothing (a lease, a lock, events not yet committed).
-CREATE OR REPLACE FUNCTION outbox._may_have_work(consumer_id int) RETURNS boolean
+CREATE OR REPLACE FUNCTION outbox_internal._may_have_work(consumer_id int) RETURNS boolean
     LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
@@ -657,13 +657,13 @@ BEGIN
             OR EXISTS (SELECT FROM outbox._parked p
                         WHERE p.consumer_id = _may_have_work.consumer_id AND p.shard = s.shard)
             OR EXISTS (SELECT FROM outbox.events e
-                        WHERE e.shard = s.shard AND e.seq > outbox._pending_floor(cur.l)));
+                        WHERE e.shard = s.shard AND e.seq > outbox_internal._pending_floor(cur.l)));
 END
 $$;
 
 -- The claim row of a batch: the cursor, leased to owner, with the batch's last seq, whether
 -- it ends the window, and the parked heads handed out with it. Written by _append alone.
-CREATE OR REPLACE FUNCTION outbox._claimed(cur outbox._cursor_log, owner text, lease interval,
+CREATE OR REPLACE FUNCTION outbox_internal._claimed(cur outbox._cursor_log, owner text, lease interval,
                                            batch_end bigint, exhausted boolean, heads uuid[])
 RETURNS outbox._cursor_log
     LANGUAGE plpgsql STABLE
@@ -682,7 +682,7 @@ $$;
 -- Claim one free shard's next batch (shards tried from a random one on): its events in commit
 -- order, read and handed out in one statement that also writes the claim row; or, when the
 -- shard has parked keys, through _claim_parked. Nothing when no shard has work.
-CREATE OR REPLACE FUNCTION outbox._claim(c outbox.consumers, batch_size int, lease interval,
+CREATE OR REPLACE FUNCTION outbox_internal._claim(c outbox.consumers, batch_size int, lease interval,
                                          owner text, seq_mark bigint, x xid8)
 RETURNS SETOF outbox.claimed
     LANGUAGE plpgsql VOLATILE
@@ -697,21 +697,21 @@ DECLARE
     got    bigint := 0;
 BEGIN
     FOR i IN 0 .. n - 1 LOOP
-        free := outbox._free_cursor(c.id, (start + i) % n);
+        free := outbox_internal._free_cursor(c.id, (start + i) % n);
         CONTINUE WHEN free.cur IS NULL;
         cur := free.cur;
         IF free.parked THEN
-            RETURN QUERY SELECT * FROM outbox._claim_parked(c, cur, batch_size, lease, owner, seq_mark, x);
+            RETURN QUERY SELECT * FROM outbox_internal._claim_parked(c, cur, batch_size, lease, owner, seq_mark, x);
             GET DIAGNOSTICS got = ROW_COUNT;
         ELSE LOOP
             fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
             IF cur.hi_snap IS NULL THEN
-                cur := outbox._open_window(cur, seq_mark, x);
+                cur := outbox_internal._open_window(cur, seq_mark, x);
             END IF;
             RETURN QUERY
-            WITH page AS MATERIALIZED (SELECT * FROM outbox._window(cur.shard, cur, NULL, batch_size)),
+            WITH page AS MATERIALIZED (SELECT * FROM outbox_internal._window(cur.shard, cur, NULL, batch_size)),
                  written AS MATERIALIZED (
-                     SELECT outbox._append(outbox._claimed(cur, owner, lease, max(p.seq),
+                     SELECT outbox_internal._append(outbox_internal._claimed(cur, owner, lease, max(p.seq),
                                                            count(*) < batch_size, '{}'))
                        FROM page p HAVING count(*) > 0)
             SELECT cur.shard, cur.epoch + 1, p.id, p.topic, p.aggregate_type, p.aggregate_id,
@@ -723,13 +723,13 @@ BEGIN
             IF fresh THEN
                 -- nothing new since the last window: record the empty window as read when
                 -- that raises the floor, so the next claim's probe starts above it
-                next := outbox._advance(cur, NULL, true);
-                IF outbox._pending_floor(next) > outbox._pending_floor(cur) THEN
-                    PERFORM outbox._append(next);
+                next := outbox_internal._advance(cur, NULL, true);
+                IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) THEN
+                    PERFORM outbox_internal._append(next);
                 END IF;
                 EXIT;
             END IF;
-            cur := outbox._next_window(cur);
+            cur := outbox_internal._next_window(cur);
         END LOOP; END IF;
         EXIT WHEN got > 0;
     END LOOP;
@@ -737,7 +737,7 @@ END
 $$;
 
 -- The parked keys of a shard that are due: their heads, in the order they fell due.
-CREATE OR REPLACE FUNCTION outbox._due_heads(c outbox.consumers, shard int, lim int)
+CREATE OR REPLACE FUNCTION outbox_internal._due_heads(c outbox.consumers, shard int, lim int)
 RETURNS outbox.claimed[]
     LANGUAGE plpgsql STABLE
 AS $$
@@ -758,7 +758,7 @@ $$;
 -- _claim for a shard with parked keys: the page's events of parked keys join their queues
 -- instead of going out (the shard moves past pages that hold only those), and the batch also
 -- holds the due heads. Nothing (and no claim row) when neither is left.
-CREATE OR REPLACE FUNCTION outbox._claim_parked(c outbox.consumers, cur outbox._cursor_log,
+CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
                                                 batch_size int, lease interval, owner text,
                                                 seq_mark bigint, x xid8)
 RETURNS SETOF outbox.claimed
@@ -774,11 +774,11 @@ BEGIN
     LOOP
         fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
         IF cur.hi_snap IS NULL THEN
-            cur := outbox._open_window(cur, seq_mark, x);
+            cur := outbox_internal._open_window(cur, seq_mark, x);
         END IF;
-        page := ARRAY(SELECT w FROM outbox._window(cur.shard, cur, NULL, batch_size) AS w ORDER BY w.seq);
+        page := ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, NULL, batch_size) AS w ORDER BY w.seq);
         exhausted := cardinality(page) < batch_size;
-        PERFORM outbox._queue_parked(c.id, ARRAY(
+        PERFORM outbox_internal._queue_parked(c.id, ARRAY(
             SELECT e FROM unnest(page) e
              WHERE EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = c.id AND p.aggregate_id = e.aggregate_id)));
         mine := ARRAY(SELECT e FROM unnest(page) e
@@ -788,22 +788,22 @@ BEGIN
         EXIT WHEN cardinality(mine) > 0;
         IF cardinality(page) > 0 THEN
             -- only parked keys' events here: record that the shard moved past them, go on
-            cur := outbox._advance(cur, page[cardinality(page)].seq, exhausted);
-            PERFORM outbox._append(cur);
+            cur := outbox_internal._advance(cur, page[cardinality(page)].seq, exhausted);
+            PERFORM outbox_internal._append(cur);
         ELSIF fresh THEN
             EXIT;  -- nothing new since the last window
         ELSE
-            cur := outbox._next_window(cur);
+            cur := outbox_internal._next_window(cur);
         END IF;
     END LOOP;
-    heads := outbox._due_heads(c, cur.shard, batch_size);
+    heads := outbox_internal._due_heads(c, cur.shard, batch_size);
     IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
         RETURN;
     END IF;
-    cur := outbox._claimed(cur, owner, lease,
+    cur := outbox_internal._claimed(cur, owner, lease,
                            CASE WHEN cardinality(page) > 0 THEN page[cardinality(page)].seq ELSE cur.after_seq END,
                            exhausted, ARRAY(SELECT h.id FROM unnest(heads) h));
-    PERFORM outbox._append(cur);
+    PERFORM outbox_internal._append(cur);
     RETURN QUERY
     SELECT cur.shard, cur.epoch, m.id, m.topic, m.aggregate_type, m.aggregate_id, m.event_type,
            m.payload, m.headers, m.created_at, m.seq, 1
@@ -820,7 +820,7 @@ $$;
 -- key's head (handed out from the key's queue) or an event read from the shard's window.
 DO $type$
 BEGIN
-    CREATE TYPE outbox._failure AS (
+    CREATE TYPE outbox_internal._failure AS (
         event_id     uuid,
         aggregate_id text,
         seq          bigint,
@@ -834,27 +834,27 @@ END
 $type$;
 
 -- A failure's own arguments, checked before the batch is looked at.
-CREATE OR REPLACE FUNCTION outbox._check_failure(event_id uuid, retry_after interval) RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._check_failure(event_id uuid, retry_after interval) RETURNS void
     LANGUAGE plpgsql IMMUTABLE
 AS $$
 BEGIN
-    PERFORM outbox._not_null(event_id IS NULL, 'event_id', 'settle, nack or reject');
+    PERFORM outbox_internal._not_null(event_id IS NULL, 'event_id', 'settle, nack or reject');
     IF retry_after IS NOT NULL THEN
-        PERFORM outbox._check_interval(retry_after, 'retry_after', '30 days', true);
+        PERFORM outbox_internal._check_interval(retry_after, 'retry_after', '30 days', true);
     END IF;
 END
 $$;
 
 -- settle's failures argument, a JSON array of {"id", "error", "retry_after", "final"}: checked,
 -- as unresolved failures. retry_after is a number of seconds or an interval's text.
-CREATE OR REPLACE FUNCTION outbox._failures(failures jsonb) RETURNS outbox._failure[]
+CREATE OR REPLACE FUNCTION outbox_internal._failures(failures jsonb) RETURNS outbox_internal._failure[]
     LANGUAGE plpgsql IMMUTABLE
 AS $$
 DECLARE
     i    int := 0;
     f    jsonb;
-    one  outbox._failure;
-    list outbox._failure[] := '{}';
+    one  outbox_internal._failure;
+    list outbox_internal._failure[] := '{}';
 BEGIN
     IF jsonb_typeof(failures) IS DISTINCT FROM 'array' THEN
         RAISE EXCEPTION 'failures must be a JSON array'
@@ -877,7 +877,7 @@ BEGIN
                                    WHEN 'number' THEN make_interval(secs => (f ->> 'retry_after')::float8)
                                    ELSE (f ->> 'retry_after')::interval END;
             one.final := coalesce((f -> 'final')::boolean, false);
-            PERFORM outbox._check_failure(one.event_id, one.retry_after);
+            PERFORM outbox_internal._check_failure(one.event_id, one.retry_after);
             list := list || one;
         END LOOP;
     EXCEPTION WHEN data_exception THEN  -- a bad uuid, interval or boolean, or the checks above
@@ -893,9 +893,9 @@ $$;
 
 -- Find a failed event in its batch (batch: the window's events the claim handed out). NULL for a
 -- head that is settled already (a reject of this batch dead-lettered it).
-CREATE OR REPLACE FUNCTION outbox._resolve(c outbox.consumers, cur outbox._cursor_log,
-                                           batch outbox.events[], f outbox._failure)
-RETURNS outbox._failure
+CREATE OR REPLACE FUNCTION outbox_internal._resolve(c outbox.consumers, cur outbox._cursor_log,
+                                           batch outbox.events[], f outbox_internal._failure)
+RETURNS outbox_internal._failure
     LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
@@ -916,11 +916,11 @@ END
 $$;
 
 -- The events of the batch a cursor holds out, read from its window.
-CREATE OR REPLACE FUNCTION outbox._batch(cur outbox._cursor_log) RETURNS outbox.events[]
+CREATE OR REPLACE FUNCTION outbox_internal._batch(cur outbox._cursor_log) RETURNS outbox.events[]
     LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
-    RETURN ARRAY(SELECT w FROM outbox._window(cur.shard, cur, cur.batch_end, NULL) w ORDER BY w.seq);
+    RETURN ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, cur.batch_end, NULL) w ORDER BY w.seq);
 END
 $$;
 
@@ -930,8 +930,8 @@ $$;
 -- A failure of the key reported earlier for this batch (nack, reject) already queued or
 -- dead-lettered its events from some point on: reported again from there or after, nothing
 -- changes; from before it, the events in between would be acked unsent, so that is refused.
-CREATE OR REPLACE FUNCTION outbox._fail_key(c outbox.consumers, cur outbox._cursor_log,
-                                            batch outbox.events[], f outbox._failure) RETURNS int
+CREATE OR REPLACE FUNCTION outbox_internal._fail_key(c outbox.consumers, cur outbox._cursor_log,
+                                            batch outbox.events[], f outbox_internal._failure) RETURNS int
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
@@ -961,12 +961,12 @@ BEGIN
         GET DIAGNOSTICS parked = ROW_COUNT;
         later := ARRAY(SELECT b FROM unnest(batch) b
                         WHERE b.aggregate_id = f.aggregate_id AND b.seq >= f.seq ORDER BY b.seq);
-        PERFORM outbox._queue_parked(c.id, later);
+        PERFORM outbox_internal._queue_parked(c.id, later);
         IF parked = 0 THEN
             RETURN cardinality(later);  -- parked meanwhile (a replay): they wait behind its queue
         END IF;
     END IF;
-    PERFORM outbox._head_failed(c, f.aggregate_id, f.error, f.retry_after, cur.epoch, f.final);
+    PERFORM outbox_internal._head_failed(c, f.aggregate_id, f.error, f.retry_after, cur.epoch, f.final);
     RETURN CASE WHEN f.head THEN 1 ELSE cardinality(later) END;
 END
 $$;
@@ -974,17 +974,17 @@ $$;
 -- _fail_key, and if recording the failure itself fails, the key parked with that reason in
 -- place of the relay's error and retried: the rest of the batch still settles, and the reason
 -- shows in outbox.status.last_error.
-CREATE OR REPLACE FUNCTION outbox._fail_key_or_say_why(c outbox.consumers, cur outbox._cursor_log,
-                                                       batch outbox.events[], f outbox._failure) RETURNS int
+CREATE OR REPLACE FUNCTION outbox_internal._fail_key_or_say_why(c outbox.consumers, cur outbox._cursor_log,
+                                                       batch outbox.events[], f outbox_internal._failure) RETURNS int
     LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
-    RETURN outbox._fail_key(c, cur, batch, f);
+    RETURN outbox_internal._fail_key(c, cur, batch, f);
 EXCEPTION WHEN OTHERS THEN
     f.error := format('settling this failure failed: %s (the relay said: %s)', SQLERRM, left(f.error, 1000));
     f.retry_after := NULL;
     f.final := false;
-    RETURN outbox._fail_key(c, cur, batch, f);
+    RETURN outbox_internal._fail_key(c, cur, batch, f);
 END
 $$;
 
@@ -992,28 +992,28 @@ $$;
 -- later events in the batch wait behind it whatever the relay said of them. The failures are
 -- recorded together; only if that fails, each on its own (a subtransaction each: kept for the
 -- rare case, as many of them slow every snapshot of the cluster). Returns the events kept back.
-CREATE OR REPLACE FUNCTION outbox._fail_batch(c outbox.consumers, cur outbox._cursor_log,
-                                              failures outbox._failure[]) RETURNS int
+CREATE OR REPLACE FUNCTION outbox_internal._fail_batch(c outbox.consumers, cur outbox._cursor_log,
+                                              failures outbox_internal._failure[]) RETURNS int
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    batch  outbox.events[] := outbox._batch(cur);
-    firsts outbox._failure[];
-    f      outbox._failure;
+    batch  outbox.events[] := outbox_internal._batch(cur);
+    firsts outbox_internal._failure[];
+    f      outbox_internal._failure;
     kept   int := 0;
 BEGIN
     firsts := ARRAY(SELECT DISTINCT ON (r.aggregate_id) r
-                      FROM unnest(failures) AS u, outbox._resolve(c, cur, batch, u) AS r
+                      FROM unnest(failures) AS u, outbox_internal._resolve(c, cur, batch, u) AS r
                      WHERE r.aggregate_id IS NOT NULL
                      ORDER BY r.aggregate_id, r.seq);
     BEGIN
         FOREACH f IN ARRAY firsts LOOP
-            kept := kept + outbox._fail_key(c, cur, batch, f);
+            kept := kept + outbox_internal._fail_key(c, cur, batch, f);
         END LOOP;
     EXCEPTION WHEN OTHERS THEN
         kept := 0;
         FOREACH f IN ARRAY firsts LOOP
-            kept := kept + outbox._fail_key_or_say_why(c, cur, batch, f);
+            kept := kept + outbox_internal._fail_key_or_say_why(c, cur, batch, f);
         END LOOP;
     END;
     RETURN kept;
@@ -1022,7 +1022,7 @@ $$;
 
 -- The rest of a settled batch is delivered: parked heads handed out and not failed in this
 -- batch leave their queues, and the shard moves past the batch.
-CREATE OR REPLACE FUNCTION outbox._deliver_rest(c outbox.consumers, cur outbox._cursor_log) RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._deliver_rest(c outbox.consumers, cur outbox._cursor_log) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
@@ -1046,27 +1046,27 @@ BEGIN
            AND NOT EXISTS (SELECT FROM outbox._parked_events q
                             WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
     END IF;
-    PERFORM outbox._append(outbox._advance(cur, cur.batch_end, cur.exhausted));
+    PERFORM outbox_internal._append(outbox_internal._advance(cur, cur.batch_end, cur.exhausted));
 END
 $$;
 
 -- nack and reject: one event failed; the batch stays out until settle or ack.
-CREATE OR REPLACE FUNCTION outbox._fail(consumer text, shard int, epoch bigint, event_id uuid, error text,
+CREATE OR REPLACE FUNCTION outbox_internal._fail(consumer text, shard int, epoch bigint, event_id uuid, error text,
                                         retry_after interval, final boolean) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    c     outbox.consumers := outbox._consumer(consumer);
+    c     outbox.consumers := outbox_internal._consumer(consumer);
     cur   outbox._cursor_log;
     batch outbox.events[];
-    f     outbox._failure := ROW(event_id, NULL, NULL, NULL, error, retry_after, final);
+    f     outbox_internal._failure := ROW(event_id, NULL, NULL, NULL, error, retry_after, final);
 BEGIN
-    PERFORM outbox._check_failure(event_id, retry_after);
-    cur := outbox._leased(c.id, shard, epoch);
-    batch := CASE WHEN event_id = ANY (cur.heads) THEN '{}' ELSE outbox._batch(cur) END;
-    f := outbox._resolve(c, cur, batch, f);
+    PERFORM outbox_internal._check_failure(event_id, retry_after);
+    cur := outbox_internal._leased(c.id, shard, epoch);
+    batch := CASE WHEN event_id = ANY (cur.heads) THEN '{}' ELSE outbox_internal._batch(cur) END;
+    f := outbox_internal._resolve(c, cur, batch, f);
     IF f.aggregate_id IS NOT NULL THEN
-        PERFORM outbox._fail_key(c, cur, batch, f);
+        PERFORM outbox_internal._fail_key(c, cur, batch, f);
     END IF;
 END
 $$;
@@ -1086,7 +1086,7 @@ CREATE OR REPLACE FUNCTION outbox.create_consumer(
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    rebased boolean := outbox._rebase_if_restored();  -- first: it may write
+    rebased boolean := outbox_internal._rebase_if_restored();  -- first: it may write
     c_id   int;
     -- The first bound, taken as claims take theirs (see the header); if this transaction has
     -- written already, its xid may be older than the seq, so start the seq bound at 0.
@@ -1096,19 +1096,19 @@ DECLARE
                           THEN coalesce(pg_sequence_last_value('outbox.event_seq'), 0) ELSE restored END;
     x      xid8 := pg_current_xact_id();
     lo     pg_snapshot := pg_current_snapshot();
-    lo_top xid8 := outbox._top(lo, x);
+    lo_top xid8 := outbox_internal._top(lo, x);
 BEGIN
-    PERFORM outbox._not_null(name IS NULL, 'name', 'outbox.create_consumer');
-    PERFORM outbox._not_null(from_beginning IS NULL, 'from_beginning', 'outbox.create_consumer');
-    PERFORM outbox._not_null(max_attempts IS NULL, 'max_attempts', 'outbox.create_consumer');
-    PERFORM outbox._not_null(backoff_base IS NULL, 'backoff_base', 'outbox.create_consumer');
-    PERFORM outbox._not_null(backoff_max IS NULL, 'backoff_max', 'outbox.create_consumer');
+    PERFORM outbox_internal._not_null(name IS NULL, 'name', 'outbox.create_consumer');
+    PERFORM outbox_internal._not_null(from_beginning IS NULL, 'from_beginning', 'outbox.create_consumer');
+    PERFORM outbox_internal._not_null(max_attempts IS NULL, 'max_attempts', 'outbox.create_consumer');
+    PERFORM outbox_internal._not_null(backoff_base IS NULL, 'backoff_base', 'outbox.create_consumer');
+    PERFORM outbox_internal._not_null(backoff_max IS NULL, 'backoff_max', 'outbox.create_consumer');
     IF name = '' OR length(name) > 128 THEN
         RAISE EXCEPTION 'consumer name must be 1 to 128 characters'
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Name the consumer after its sink.';
     END IF;
-    PERFORM outbox._check_interval(backoff_base, 'backoff_base', '30 days', false);
-    PERFORM outbox._check_interval(backoff_max, 'backoff_max', '30 days', false);
+    PERFORM outbox_internal._check_interval(backoff_base, 'backoff_base', '30 days', false);
+    PERFORM outbox_internal._check_interval(backoff_max, 'backoff_max', '30 days', false);
     IF max_attempts < 1 OR backoff_max < backoff_base THEN
         RAISE EXCEPTION 'invalid retry policy (max_attempts %, backoff % to %)',
                 max_attempts, backoff_base, backoff_max
@@ -1140,7 +1140,7 @@ BEGIN
            (SELECT '1:1:'::pg_snapshot AS snap, 0::bigint AS seq, '1'::xid8 AS top, '{}'::xid8[] AS txids
              WHERE from_beginning
             UNION ALL
-            SELECT lo, lo_seq, lo_top, outbox._in_progress(lo, x) WHERE NOT from_beginning) AS b;
+            SELECT lo, lo_seq, lo_top, outbox_internal._in_progress(lo, x) WHERE NOT from_beginning) AS b;
 END
 $$;
 COMMENT ON FUNCTION outbox.create_consumer(text, boolean, int, interval, interval) IS
@@ -1152,7 +1152,7 @@ CREATE OR REPLACE FUNCTION outbox.drop_consumer(name text) RETURNS boolean
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
-    PERFORM outbox._not_null(name IS NULL, 'name', 'outbox.drop_consumer');
+    PERFORM outbox_internal._not_null(name IS NULL, 'name', 'outbox.drop_consumer');
     -- Its shards first, in order, as claims and acks take them before they write a cursor row
     -- (whose key check waits for the consumer row): deleting the consumer first would deadlock
     -- with an ack under way.
@@ -1176,19 +1176,19 @@ CREATE OR REPLACE FUNCTION outbox.claim(
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    rebased boolean := outbox._rebase_if_restored();  -- first: it may write
-    c       outbox.consumers := outbox._consumer(consumer);
+    rebased boolean := outbox_internal._rebase_if_restored();  -- first: it may write
+    c       outbox.consumers := outbox_internal._consumer(consumer);
     b       record;
 BEGIN
     IF rebased THEN
         RETURN;  -- this transaction rebased a restored database (it wrote): claim in the next
     END IF;
-    PERFORM outbox._check_claim(batch_size, lease, 'outbox.claim');
-    IF NOT outbox._may_have_work(c.id) THEN
+    PERFORM outbox_internal._check_claim(batch_size, lease, 'outbox.claim');
+    IF NOT outbox_internal._may_have_work(c.id) THEN
         RETURN;  -- nothing to read: no bound taken, nothing written
     END IF;
-    b := outbox._claim_bound();
-    RETURN QUERY SELECT * FROM outbox._claim(c, batch_size, lease,
+    b := outbox_internal._claim_bound();
+    RETURN QUERY SELECT * FROM outbox_internal._claim(c, batch_size, lease,
                                              coalesce(owner, 'backend ' || pg_backend_pid()), b.seq, b.x);
 END
 $$;
@@ -1198,17 +1198,17 @@ COMMENT ON FUNCTION outbox.claim(text, int, interval, text) IS
     'Example: SELECT * FROM outbox.claim(''billing-webhook'', 100, ''30 seconds'');';
 
 -- What settle, ack and settle_and_claim share: the leased batch's failures, then the rest.
-CREATE OR REPLACE FUNCTION outbox._settle(c outbox.consumers, cur outbox._cursor_log,
-                                          failures outbox._failure[]) RETURNS int
+CREATE OR REPLACE FUNCTION outbox_internal._settle(c outbox.consumers, cur outbox._cursor_log,
+                                          failures outbox_internal._failure[]) RETURNS int
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
     kept int := 0;
 BEGIN
     IF cardinality(failures) > 0 THEN
-        kept := outbox._fail_batch(c, cur, failures);
+        kept := outbox_internal._fail_batch(c, cur, failures);
     END IF;
-    PERFORM outbox._deliver_rest(c, cur);
+    PERFORM outbox_internal._deliver_rest(c, cur);
     RETURN kept;
 END
 $$;
@@ -1219,12 +1219,12 @@ CREATE OR REPLACE FUNCTION outbox.settle(consumer text, shard int, epoch bigint,
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    c    outbox.consumers := outbox._consumer(consumer);
-    list outbox._failure[];
+    c    outbox.consumers := outbox_internal._consumer(consumer);
+    list outbox_internal._failure[];
 BEGIN
-    PERFORM outbox._not_null(failures IS NULL, 'failures', 'outbox.settle');
-    list := outbox._failures(failures);
-    RETURN outbox._settle(c, outbox._leased(c.id, shard, epoch), list);
+    PERFORM outbox_internal._not_null(failures IS NULL, 'failures', 'outbox.settle');
+    list := outbox_internal._failures(failures);
+    RETURN outbox_internal._settle(c, outbox_internal._leased(c.id, shard, epoch), list);
 END
 $$;
 COMMENT ON FUNCTION outbox.settle(text, int, bigint, jsonb) IS
@@ -1248,20 +1248,20 @@ CREATE OR REPLACE FUNCTION outbox.settle_and_claim(
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    rebased boolean := outbox._rebase_if_restored();  -- first: it may write
-    c       outbox.consumers := outbox._consumer(consumer);
-    list    outbox._failure[];
+    rebased boolean := outbox_internal._rebase_if_restored();  -- first: it may write
+    c       outbox.consumers := outbox_internal._consumer(consumer);
+    list    outbox_internal._failure[];
     b       record;
 BEGIN
-    PERFORM outbox._not_null(failures IS NULL, 'failures', 'outbox.settle_and_claim');
-    list := outbox._failures(failures);
-    PERFORM outbox._check_claim(batch_size, lease, 'outbox.settle_and_claim');
+    PERFORM outbox_internal._not_null(failures IS NULL, 'failures', 'outbox.settle_and_claim');
+    list := outbox_internal._failures(failures);
+    PERFORM outbox_internal._check_claim(batch_size, lease, 'outbox.settle_and_claim');
     IF NOT rebased THEN
-        b := outbox._claim_bound();  -- before settling writes anything
+        b := outbox_internal._claim_bound();  -- before settling writes anything
     END IF;
-    PERFORM outbox._settle(c, outbox._leased(c.id, shard, epoch), list);
-    IF NOT rebased AND outbox._may_have_work(c.id) THEN
-        RETURN QUERY SELECT * FROM outbox._claim(c, batch_size, lease,
+    PERFORM outbox_internal._settle(c, outbox_internal._leased(c.id, shard, epoch), list);
+    IF NOT rebased AND outbox_internal._may_have_work(c.id) THEN
+        RETURN QUERY SELECT * FROM outbox_internal._claim(c, batch_size, lease,
                                                  coalesce(owner, 'backend ' || pg_backend_pid()), b.seq, b.x);
     END IF;
 END
@@ -1275,9 +1275,9 @@ CREATE OR REPLACE FUNCTION outbox.ack(consumer text, shard int, epoch bigint) RE
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    c outbox.consumers := outbox._consumer(consumer);
+    c outbox.consumers := outbox_internal._consumer(consumer);
 BEGIN
-    PERFORM outbox._settle(c, outbox._leased(c.id, shard, epoch), '{}');
+    PERFORM outbox_internal._settle(c, outbox_internal._leased(c.id, shard, epoch), '{}');
 END
 $$;
 COMMENT ON FUNCTION outbox.ack(text, int, bigint) IS
@@ -1288,7 +1288,7 @@ CREATE OR REPLACE FUNCTION outbox.nack(consumer text, shard int, epoch bigint, e
                             retry_after interval DEFAULT NULL) RETURNS void
     LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
-    RETURN outbox._fail(consumer, shard, epoch, event_id, error, retry_after, false);
+    RETURN outbox_internal._fail(consumer, shard, epoch, event_id, error, retry_after, false);
 COMMENT ON FUNCTION outbox.nack(text, int, bigint, uuid, text, interval) IS
     'One failure of settle, reported on its own: the event''s key is parked (the shard goes on '
     'without it) and retried with backoff, or after retry_after; call ack (or settle) afterwards '
@@ -1299,7 +1299,7 @@ CREATE OR REPLACE FUNCTION outbox.reject(consumer text, shard int, epoch bigint,
 RETURNS void
     LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
-    RETURN outbox._fail(consumer, shard, epoch, event_id, error, NULL, true);
+    RETURN outbox_internal._fail(consumer, shard, epoch, event_id, error, NULL, true);
 COMMENT ON FUNCTION outbox.reject(text, int, bigint, uuid, text) IS
     'A final failure of settle, reported on its own (e.g. HTTP 400): the event goes to '
     'outbox.dead_letters at once and its key moves on; call ack (or settle) afterwards for the '
@@ -1312,16 +1312,16 @@ CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    c   outbox.consumers := outbox._consumer(consumer);
+    c   outbox.consumers := outbox_internal._consumer(consumer);
     cur outbox._cursor_log;
 BEGIN
-    PERFORM outbox._not_null(retry_after IS NULL, 'retry_after', 'outbox.release');
-    PERFORM outbox._check_interval(retry_after, 'retry_after', '30 days', true);
-    cur := outbox._leased(c.id, shard, epoch);
+    PERFORM outbox_internal._not_null(retry_after IS NULL, 'retry_after', 'outbox.release');
+    PERFORM outbox_internal._check_interval(retry_after, 'retry_after', '30 days', true);
+    cur := outbox_internal._leased(c.id, shard, epoch);
     cur.owner := NULL;
     cur.lease_until := CASE WHEN retry_after > '0' THEN now() + retry_after END;
     cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
-    PERFORM outbox._append(cur);
+    PERFORM outbox_internal._append(cur);
 END
 $$;
 COMMENT ON FUNCTION outbox.release(text, int, bigint, interval) IS
@@ -1333,19 +1333,19 @@ CREATE OR REPLACE FUNCTION outbox.release_owner(consumer text, owner text) RETUR
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    c   outbox.consumers := outbox._consumer(consumer);
+    c   outbox.consumers := outbox_internal._consumer(consumer);
     s   int;
     cur outbox._cursor_log;
     n   int := 0;
 BEGIN
-    PERFORM outbox._not_null(owner IS NULL, 'owner', 'outbox.release_owner');
+    PERFORM outbox_internal._not_null(owner IS NULL, 'owner', 'outbox.release_owner');
     FOR s IN SELECT sh.shard FROM outbox._shards sh WHERE sh.consumer_id = c.id
               ORDER BY sh.shard FOR UPDATE LOOP
-        cur := outbox._cursor(c.id, s);
+        cur := outbox_internal._cursor(c.id, s);
         CONTINUE WHEN cur.owner IS DISTINCT FROM release_owner.owner OR cur.lease_until <= now();
         cur.owner := NULL; cur.lease_until := NULL;
         cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
-        PERFORM outbox._append(cur);
+        PERFORM outbox_internal._append(cur);
         n := n + 1;
     END LOOP;
     RETURN n;
@@ -1361,7 +1361,7 @@ CREATE OR REPLACE FUNCTION outbox.replay(consumer text, aggregate_id text DEFAUL
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    c outbox.consumers := outbox._consumer(consumer);
+    c outbox.consumers := outbox_internal._consumer(consumer);
     n int;
 BEGIN
     -- Hold every shard of the consumer so no ack unparks a key while we queue into it.

@@ -3,12 +3,12 @@
 -- keys or dead letters, unless outbox_ext.drop_undelivered is on.
 --
 -- Name resolution (sql/grants.sql): _undelivered is [pinned]; the trigger function is [native]
--- and runs one statement, SELECT outbox._undelivered().
+-- and runs one statement, SELECT outbox_internal._undelivered().
 --
 -- Rerunnable.
 
 -- What would be lost, per consumer, or NULL when nothing would.
-CREATE OR REPLACE FUNCTION outbox._undelivered() RETURNS text
+CREATE OR REPLACE FUNCTION outbox_internal._undelivered() RETURNS text
     LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 BEGIN ATOMIC
     SELECT string_agg(format('%s: %s pending, %s parked keys, %s dead letters',
@@ -18,14 +18,14 @@ BEGIN ATOMIC
      WHERE s.pending > 0 OR s.parked_keys > 0 OR s.dead_letters > 0;
 END;
 
-CREATE OR REPLACE FUNCTION outbox._guard_drop() RETURNS event_trigger
+CREATE OR REPLACE FUNCTION outbox_internal._guard_drop() RETURNS event_trigger
     LANGUAGE c AS 'MODULE_PATHNAME', 'outbox_guard_drop';
 
 DO $guard$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_event_trigger WHERE evtname = 'outbox_ext_guard_drop') THEN
         CREATE EVENT TRIGGER outbox_ext_guard_drop ON ddl_command_start
-            WHEN TAG IN ('DROP EXTENSION') EXECUTE FUNCTION outbox._guard_drop();
+            WHEN TAG IN ('DROP EXTENSION') EXECUTE FUNCTION outbox_internal._guard_drop();
     END IF;
 END
 $guard$;

@@ -50,9 +50,9 @@ BEGIN
     END IF;
     -- Natively, as COPY writes (see src/emit/insert.rs); NULL when the table needs a plain
     -- INSERT (triggers, constraints, no partition for now()).
-    ids := outbox._insert_many(aggregate_type, event_type, headers, topic, aggregate_ids, payloads);
+    ids := outbox_internal._insert_many(aggregate_type, event_type, headers, topic, aggregate_ids, payloads);
     IF ids IS NULL THEN
-        ids := outbox._batch_ids(aggregate_type, event_type, headers, topic, aggregate_ids,
+        ids := outbox_internal._batch_ids(aggregate_type, event_type, headers, topic, aggregate_ids,
                                  (SELECT max(pg_column_size(p)) FROM unnest(payloads) AS p));
         INSERT INTO outbox.events
             (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, txid, shard)

@@ -36,7 +36,7 @@ CREATE TABLE outbox.events (
     shard          int         NOT NULL
 ) PARTITION BY RANGE (created_at);
 
--- The one index readers need, on every partition (outbox._index_partition, which says why not
+-- The one index readers need, on every partition (outbox_internal._index_partition, which says why not
 -- on this table): (shard, seq, txid), a shard's events in emit order. Claims page through a
 -- commit window by seq (linear however large the window); txid is a key column so that window
 -- bounds on it are checked in the index, without visiting the heap.

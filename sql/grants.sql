@@ -19,9 +19,10 @@
 -- [pinned]   SECURITY DEFINER functions SET search_path = pg_catalog, pg_temp (functions and
 --            operators are never looked up in pg_temp) and name our objects by schema.
 --            tests/test_roles.py checks that every one of them pins it.
--- [inside]   Internal helpers (outbox._*, granted to no role) run only inside [pinned]
---            functions, whose search_path they inherit. (One [pinned] one, _shard_pending, is
---            granted to outbox_relay and outbox_admin: the status views call it.)
+-- [inside]   Internal helpers (outbox_internal._*: no role may use that schema) run only
+--            inside [pinned] functions, whose search_path they inherit. (One [pinned] one,
+--            _shard_pending, may be executed by outbox_relay and outbox_admin, because the
+--            status views call it; without USAGE on the schema they cannot call it by name.)
 -- [parsed]   Views and SQL-standard bodies (LANGUAGE sql ... RETURN) are parsed once, by
 --            CREATE EXTENSION or ALTER EXTENSION UPDATE, whose search_path is pg_catalog,
 --            pg_temp (the control file's schema is pg_catalog).
@@ -40,12 +41,13 @@
 -- holds secrets: only outbox_admin and outbox_worker (which delivers with them) read it;
 -- relays see a sink's health through outbox.status, which shows no URL or secret.
 
-REVOKE ALL ON SCHEMA outbox, inbox FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
+REVOKE ALL ON SCHEMA outbox, inbox, outbox_internal
+    FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
 REVOKE ALL ON ALL TABLES IN SCHEMA outbox, inbox
     FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox, inbox
     FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
-REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox, inbox
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox, inbox, outbox_internal
     FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
 
 GRANT outbox_producer, outbox_relay TO outbox_admin;
@@ -65,7 +67,7 @@ TO outbox_producer;
 GRANT SELECT ON outbox.events, outbox.status, outbox.shard_status TO outbox_relay;
 -- what the status views ask of each shard (functions a view calls are checked against
 -- whoever reads it)
-GRANT EXECUTE ON FUNCTION outbox._shard_pending(outbox._cursor_log, outbox.sinks)
+GRANT EXECUTE ON FUNCTION outbox_internal._shard_pending(outbox._cursor_log, outbox.sinks)
     TO outbox_relay, outbox_admin;
 GRANT EXECUTE ON FUNCTION
     outbox.claim(text, int, interval, text),

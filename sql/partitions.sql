@@ -27,20 +27,20 @@ INSERT INTO outbox.partition_config (parent, width, ahead, retention) VALUES
     ('inbox.messages', '1 day', 2, '7 days')
 ON CONFLICT (parent) DO NOTHING;
 
-CREATE OR REPLACE FUNCTION outbox._partition_name(parent text, lo_at timestamptz) RETURNS text
+CREATE OR REPLACE FUNCTION outbox_internal._partition_name(parent text, lo_at timestamptz) RETURNS text
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN parent || '_p' || pg_catalog.to_char(lo_at AT TIME ZONE 'UTC', 'YYYYMMDD"_"HH24MISS');
 
 -- The partition key column of a table, and its value at a moment, as a literal (the inbox's
 -- key is a UUIDv7).
-CREATE OR REPLACE FUNCTION outbox._key_column(parent regclass) RETURNS text
+CREATE OR REPLACE FUNCTION outbox_internal._key_column(parent regclass) RETURNS text
     LANGUAGE sql IMMUTABLE
     RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN 'message_id' ELSE 'created_at' END;
 -- The time of a row's partition key, as an SQL expression.
-CREATE OR REPLACE FUNCTION outbox._key_time(parent regclass) RETURNS text
+CREATE OR REPLACE FUNCTION outbox_internal._key_time(parent regclass) RETURNS text
     LANGUAGE sql IMMUTABLE
     RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN 'inbox.uuid_time(message_id)' ELSE 'created_at' END;
-CREATE OR REPLACE FUNCTION outbox._bound(parent regclass, at timestamptz) RETURNS text
+CREATE OR REPLACE FUNCTION outbox_internal._bound(parent regclass, at timestamptz) RETURNS text
     LANGUAGE sql STABLE
     RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN inbox.uuid_at(at)::text ELSE at::text END;
 
@@ -59,14 +59,14 @@ SELECT i.inhparent::regclass AS parent,
 COMMENT ON VIEW outbox.partitions IS 'Partitions of outbox.events and inbox.messages with their time ranges.';
 
 -- outbox.partitions as a value, without the sizes (each a stat of every file of a partition).
-CREATE OR REPLACE FUNCTION outbox._partition_list() RETURNS outbox.partitions[]
+CREATE OR REPLACE FUNCTION outbox_internal._partition_list() RETURNS outbox.partitions[]
     LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT ARRAY(SELECT ROW(x.parent, x.partition, x.lower, x.upper, x.is_default, NULL)::outbox.partitions
                    FROM outbox.partitions x)
 $$;
 
-CREATE OR REPLACE FUNCTION outbox._floor_time(at timestamptz, width interval) RETURNS timestamptz
+CREATE OR REPLACE FUNCTION outbox_internal._floor_time(at timestamptz, width interval) RETURNS timestamptz
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
     RETURN to_timestamp(floor(extract(epoch FROM at) / extract(epoch FROM width)) * extract(epoch FROM width));
 
@@ -76,7 +76,7 @@ CREATE OR REPLACE FUNCTION outbox._floor_time(at timestamptz, width interval) RE
 -- parent: pg_dump restores the partitions maintain() made as tables of their own, attached to
 -- the parent CREATE EXTENSION made; an index of the parent would be copied onto each at
 -- ATTACH, and the dump's own CREATE INDEX for it would then fail.
-CREATE OR REPLACE FUNCTION outbox._index_partition(parent regclass, part regclass) RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._index_partition(parent regclass, part regclass) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -95,7 +95,7 @@ $$;
 -- owner's default privileges (ALTER DEFAULT PRIVILEGES); partitions need no grant at all
 -- (rows are reached through the parent), and a TRIGGER or TRUNCATE grant on one would let its
 -- holder run code inside the worker and the SECURITY DEFINER functions (see sql/grants.sql).
-CREATE OR REPLACE FUNCTION outbox._revoke_all(rel regclass) RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._revoke_all(rel regclass) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -112,7 +112,7 @@ $$;
 -- Create the partition [lo_at, lo_at + width) of parent, clipped to the gap between existing
 -- partitions; rows for that range waiting in the default partition move into it first.
 -- Returns the partition created, or NULL if the range is already covered.
-CREATE OR REPLACE FUNCTION outbox._create_partition(parent regclass, lo_at timestamptz, width interval)
+CREATE OR REPLACE FUNCTION outbox_internal._create_partition(parent regclass, lo_at timestamptz, width interval)
 RETURNS regclass
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
@@ -132,7 +132,7 @@ BEGIN
     END IF;
     SELECT n.nspname, c.relname INTO nsp, rel
       FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = parent;
-    part := outbox._partition_name(rel, lo_at);
+    part := outbox_internal._partition_name(rel, lo_at);
     SELECT p.partition INTO dflt FROM outbox.partitions p
      WHERE p.parent = _create_partition.parent AND p.is_default;
     -- Standalone first, then the default partition's rows of the range, then attach: a
@@ -142,13 +142,13 @@ BEGIN
     IF dflt IS NOT NULL THEN
         EXECUTE format('WITH moved AS (DELETE FROM %s d WHERE %I >= %L AND %I < %L RETURNING d.*) '
                        'INSERT INTO %I.%I SELECT * FROM moved',
-                       dflt, outbox._key_column(parent), outbox._bound(parent, lo_at),
-                       outbox._key_column(parent), outbox._bound(parent, hi_at), nsp, part);
+                       dflt, outbox_internal._key_column(parent), outbox_internal._bound(parent, lo_at),
+                       outbox_internal._key_column(parent), outbox_internal._bound(parent, hi_at), nsp, part);
     END IF;
-    PERFORM outbox._index_partition(parent, format('%I.%I', nsp, part)::regclass);
+    PERFORM outbox_internal._index_partition(parent, format('%I.%I', nsp, part)::regclass);
     EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
-                   nsp, rel, nsp, part, outbox._bound(parent, lo_at), outbox._bound(parent, hi_at));
-    PERFORM outbox._revoke_all(format('%I.%I', nsp, part)::regclass);
+                   nsp, rel, nsp, part, outbox_internal._bound(parent, lo_at), outbox_internal._bound(parent, hi_at));
+    PERFORM outbox_internal._revoke_all(format('%I.%I', nsp, part)::regclass);
     RETURN format('%I.%I', nsp, part)::regclass;
 END
 $$;
@@ -157,8 +157,8 @@ $$;
 -- transactions are invisible, so first: no open transaction started before the partition's
 -- upper bound (emit's created_at is the transaction's start, so it may still write there),
 -- and no transaction, prepared ones included, holds a lock on it (it has written there).
--- Then no consumer may have an event of it pending (outbox._pending, sql/claim.sql).
-CREATE OR REPLACE FUNCTION outbox._partition_pending(part regclass, upper timestamptz) RETURNS text
+-- Then no consumer may have an event of it pending (outbox_internal._pending, sql/claim.sql).
+CREATE OR REPLACE FUNCTION outbox_internal._partition_pending(part regclass, upper timestamptz) RETURNS text
     LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -179,8 +179,8 @@ BEGIN
                                                WHERE l.consumer_id = s.consumer_id AND l.shard = s.shard
                                                ORDER BY l.pos DESC LIMIT 1) AS cur
                          WHERE EXISTS (SELECT FROM %s e WHERE e.shard = s.shard
-                                          AND e.seq > outbox._pending_floor(cur.l)
-                                          AND outbox._pending(cur.l, e.txid, e.seq)))', part)
+                                          AND e.seq > outbox_internal._pending_floor(cur.l)
+                                          AND outbox_internal._pending(cur.l, e.txid, e.seq)))', part)
         INTO pending;
     RETURN CASE WHEN pending THEN 'a consumer has not read all its events' END;
 END
@@ -195,7 +195,7 @@ DECLARE
     p       outbox.partitions;
     -- the partitions, read once (reading outbox.partitions deparses every partition's bounds:
     -- about 0.1 ms each), read again only after this run changed them
-    parts   outbox.partitions[] := outbox._partition_list();
+    parts   outbox.partitions[] := outbox_internal._partition_list();
     changed boolean := false;
     created regclass;
     lo_at   timestamptz;
@@ -212,7 +212,7 @@ BEGIN
         RETURN QUERY SELECT 'skipped', NULL::text, 'another outbox.maintain() is running';
         RETURN;
     END IF;
-    IF outbox._restore_running() THEN  -- its partitions would collide with the dump's
+    IF outbox_internal._restore_running() THEN  -- its partitions would collide with the dump's
         RETURN QUERY SELECT 'skipped', NULL::text, 'a restore into this database is running';
         RETURN;
     END IF;
@@ -223,7 +223,7 @@ BEGIN
     --    queue every emit behind the drop; the next run tries again.
     -- a database restored from a dump (sql/restore.sql); the guard on emits goes in a later
     -- run, once the rebase is committed (dropping it here would wait for emits that wait for us)
-    rebased := outbox._rebase_if_restored();
+    rebased := outbox_internal._rebase_if_restored();
     old_timeout := current_setting('lock_timeout');
     PERFORM set_config('lock_timeout', '1s', true);
     IF NOT rebased AND EXISTS (SELECT FROM pg_trigger t WHERE t.tgrelid = 'outbox.events'::regclass
@@ -243,7 +243,7 @@ BEGIN
             part := p.partition::text;  -- named while it exists
             BEGIN
                 IF cfg.parent = 'outbox.events'::regclass THEN
-                    why := outbox._partition_pending(p.partition, p.upper);
+                    why := outbox_internal._partition_pending(p.partition, p.upper);
                     IF why IS NOT NULL THEN
                         RETURN QUERY SELECT 'kept', part, 'past retention, but ' || why;
                         CONTINUE;
@@ -276,19 +276,19 @@ BEGIN
     PERFORM set_config('lock_timeout', old_timeout, true);
     FOR cfg IN SELECT * FROM outbox.partition_config LOOP
         IF changed THEN
-            parts := outbox._partition_list();
+            parts := outbox_internal._partition_list();
             changed := false;
         END IF;
         -- 2. rows that landed in the default partition: report them, move them into partitions
         --    (inbox ids that are not UUIDv7 carry no time: they stay, and age out by received_at)
         FOR lo_at IN EXECUTE format(
-                'SELECT DISTINCT outbox._floor_time(%s, %L) FROM %s %s',
-                outbox._key_time(cfg.parent), cfg.width,
+                'SELECT DISTINCT outbox_internal._floor_time(%s, %L) FROM %s %s',
+                outbox_internal._key_time(cfg.parent), cfg.width,
                 (SELECT d.partition FROM unnest(parts) d WHERE d.parent = cfg.parent AND d.is_default),
                 CASE WHEN cfg.parent = 'inbox.messages'::regclass
                      THEN 'WHERE substr(message_id::text, 15, 1) = ''7''' ELSE '' END)
         LOOP
-            created := outbox._create_partition(cfg.parent, lo_at, cfg.width);
+            created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
             IF created IS NOT NULL THEN
                 changed := true;
                 RAISE WARNING 'outbox.maintain: rows of % were in its default partition; moved them to %',
@@ -299,20 +299,20 @@ BEGIN
         -- 3. partitions ahead: the ranges no partition covers yet, found in one pass over the
         --    partitions (each _create_partition call reads them all again)
         IF changed THEN
-            parts := outbox._partition_list();
+            parts := outbox_internal._partition_list();
         END IF;
         FOR lo_at IN
             WITH existing AS MATERIALIZED (
                      SELECT x.lower, x.upper FROM unnest(parts) x
                       WHERE x.parent = cfg.parent AND NOT x.is_default
-                        AND x.upper > outbox._floor_time(now(), cfg.width))
-            SELECT g FROM generate_series(outbox._floor_time(now(), cfg.width),
-                                          outbox._floor_time(now(), cfg.width) + cfg.width * cfg.ahead,
+                        AND x.upper > outbox_internal._floor_time(now(), cfg.width))
+            SELECT g FROM generate_series(outbox_internal._floor_time(now(), cfg.width),
+                                          outbox_internal._floor_time(now(), cfg.width) + cfg.width * cfg.ahead,
                                           cfg.width) AS g
              WHERE NOT EXISTS (SELECT FROM existing e WHERE e.lower <= g AND e.upper >= g + cfg.width)
              ORDER BY g
         LOOP
-            created := outbox._create_partition(cfg.parent, lo_at, cfg.width);
+            created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
             IF created IS NOT NULL THEN
                 RETURN QUERY SELECT 'created', created::text, NULL::text;
             END IF;
@@ -345,12 +345,12 @@ COMMENT ON FUNCTION outbox.maintain() IS
 -- restore, which runs CREATE EXTENSION first, does not make partitions its dump brings too.
 CREATE TABLE IF NOT EXISTS outbox.events_default PARTITION OF outbox.events DEFAULT;
 CREATE TABLE IF NOT EXISTS inbox.messages_default PARTITION OF inbox.messages DEFAULT;
-SELECT outbox._index_partition('outbox.events', 'outbox.events_default');
-SELECT outbox._index_partition('inbox.messages', 'inbox.messages_default');
+SELECT outbox_internal._index_partition('outbox.events', 'outbox.events_default');
+SELECT outbox_internal._index_partition('inbox.messages', 'inbox.messages_default');
 
 -- Restoring a dump puts its partition_config rows over those CREATE EXTENSION made (a plain
 -- COPY would collide with them); see sql/dump.sql.
-CREATE OR REPLACE FUNCTION outbox._restore_partition_config() RETURNS trigger
+CREATE OR REPLACE FUNCTION outbox_internal._restore_partition_config() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -361,4 +361,4 @@ BEGIN
 END
 $$;
 CREATE OR REPLACE TRIGGER restore_partition_config BEFORE INSERT ON outbox.partition_config
-    FOR EACH ROW EXECUTE FUNCTION outbox._restore_partition_config();
+    FOR EACH ROW EXECUTE FUNCTION outbox_internal._restore_partition_config();

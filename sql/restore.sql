@@ -19,7 +19,7 @@
 -- Recognised: outbox._origin holds one row, made by CREATE EXTENSION. A dump carries it too,
 -- and restoring the dump inserts the dump's row over the one CREATE EXTENSION just made: that
 -- is a restore. It marks the state pending, and makes emits (a statement trigger on
--- outbox.events) and every API call on cursors (outbox._consumer, claim, create_consumer)
+-- outbox.events) and every API call on cursors (outbox_internal._consumer, claim, create_consumer)
 -- rebase first, once, before any event of this cluster gets a seq. outbox.maintain() then
 -- removes the trigger. pg_upgrade and physical copies (base backups, standbys) keep the
 -- transaction ids, copy no rows through SQL and need nothing of this.
@@ -43,13 +43,13 @@ CREATE TABLE IF NOT EXISTS outbox._origin (
 COMMENT ON TABLE outbox._origin IS
     'Where this outbox state was made, and its last restore from a dump (see sql/restore.sql).';
 
-CREATE OR REPLACE FUNCTION outbox._here() RETURNS text
+CREATE OR REPLACE FUNCTION outbox_internal._here() RETURNS text
     LANGUAGE sql STABLE
     RETURN (SELECT c.system_identifier FROM pg_catalog.pg_control_system() c)::text || '/'
         || (SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())::text;
 
 -- The dump's row arriving over ours: a restore.
-CREATE OR REPLACE FUNCTION outbox._restored() RETURNS trigger
+CREATE OR REPLACE FUNCTION outbox_internal._restored() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -60,22 +60,22 @@ BEGIN
        SET restore_pending = true, restored_at = now(), restorer = pg_backend_pid(),
            restorer_since = (SELECT a.backend_start FROM pg_stat_activity a WHERE a.pid = pg_backend_pid());
     CREATE OR REPLACE TRIGGER rebase_before_emit BEFORE INSERT ON outbox.events
-        FOR EACH STATEMENT EXECUTE FUNCTION outbox._rebase_before_emit();
+        FOR EACH STATEMENT EXECUTE FUNCTION outbox_internal._rebase_before_emit();
     RETURN NULL;
 END
 $$;
 CREATE OR REPLACE TRIGGER restored BEFORE INSERT ON outbox._origin
-    FOR EACH ROW EXECUTE FUNCTION outbox._restored();
+    FOR EACH ROW EXECUTE FUNCTION outbox_internal._restored();
 -- (not ON CONFLICT: the trigger, which fires first, would take a second insert for a restore)
-INSERT INTO outbox._origin (made_in) SELECT outbox._here() WHERE NOT EXISTS (SELECT FROM outbox._origin);
+INSERT INTO outbox._origin (made_in) SELECT outbox_internal._here() WHERE NOT EXISTS (SELECT FROM outbox._origin);
 
 -- Before the first event of this cluster takes a seq. (Native emit takes the plain INSERT
 -- path while a table has a trigger, so this fires for every kind of emit.)
-CREATE OR REPLACE FUNCTION outbox._rebase_before_emit() RETURNS trigger
+CREATE OR REPLACE FUNCTION outbox_internal._rebase_before_emit() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    PERFORM outbox._rebase_if_restored();
+    PERFORM outbox_internal._rebase_if_restored();
     RETURN NULL;
 END
 $$;
@@ -83,28 +83,28 @@ $$;
 -- Rebases a restored state if it is one, once the restore is over. True when the state is
 -- not ready for claims in this transaction: it was just rebased (the transaction has written),
 -- or the restore is still running.
-CREATE OR REPLACE FUNCTION outbox._rebase_if_restored() RETURNS boolean
+CREATE OR REPLACE FUNCTION outbox_internal._rebase_if_restored() RETURNS boolean
     LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
     IF NOT coalesce((SELECT o.restore_pending FROM outbox._origin o), false) THEN
         RETURN false;
     END IF;
-    IF outbox._restore_running() THEN
+    IF outbox_internal._restore_running() THEN
         RETURN true;
     END IF;
     LOCK TABLE outbox._origin IN EXCLUSIVE MODE;  -- one rebase; the others wait, then see it done
     IF NOT (SELECT o.restore_pending FROM outbox._origin o) THEN
         RETURN false;
     END IF;
-    PERFORM outbox._rebase();
+    PERFORM outbox_internal._rebase();
     RETURN true;
 END
 $$;
 
 -- Whether the backend that restored the dump's _origin row still runs (a restore not made in
 -- one transaction goes on loading after it), or a pg_restore is connected to this database.
-CREATE OR REPLACE FUNCTION outbox._restore_running() RETURNS boolean
+CREATE OR REPLACE FUNCTION outbox_internal._restore_running() RETURNS boolean
     LANGUAGE sql STABLE
     RETURN EXISTS (SELECT FROM pg_catalog.pg_stat_activity a, outbox._origin o
                     WHERE a.pid = o.restorer AND a.backend_start = o.restorer_since
@@ -116,7 +116,7 @@ CREATE OR REPLACE FUNCTION outbox._restore_running() RETURNS boolean
 -- Every cursor: its batch out at dump time (lease, parked heads) comes again, and it reads the
 -- dump's events in the dump's ids, then the rest (see the header). Marks go: their xids are the
 -- dump's, and claims make new ones.
-CREATE OR REPLACE FUNCTION outbox._rebase() RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._rebase() RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
@@ -132,20 +132,20 @@ BEGIN
       INTO top FROM outbox._cursor_log l;
     top := (coalesce(top::text::bigint, 2) + 1)::text::xid8;
     FOR sh IN SELECT * FROM outbox._shards s ORDER BY s.consumer_id, s.shard FOR UPDATE LOOP
-        cur := outbox._cursor(sh.consumer_id, sh.shard);
+        cur := outbox_internal._cursor(sh.consumer_id, sh.shard);
         IF cur.restored_seq IS NOT NULL THEN
             -- restored again before it read an earlier dump's events: all of them from its
             -- floor on come again (the ids of two dumps cannot be told apart)
-            cur := outbox._lo_after_seq(cur, outbox._pending_floor(cur));
+            cur := outbox_internal._lo_after_seq(cur, outbox_internal._pending_floor(cur));
         END IF;
         cur.owner := NULL; cur.lease_until := NULL;
         cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
         cur.restored_seq := n; cur.restored_top := top;
-        PERFORM outbox._append(cur);
+        PERFORM outbox_internal._append(cur);
     END LOOP;
     DELETE FROM outbox._marks;
     UPDATE outbox._origin
-       SET restore_pending = false, restored_seq = n, restored_top = top, made_in = outbox._here();
+       SET restore_pending = false, restored_seq = n, restored_top = top, made_in = outbox_internal._here();
     RAISE NOTICE 'outbox_ext: rebased the outbox restored from a dump (events up to seq %, txids below %)', n, top;
 END
 $$;

@@ -11,6 +11,9 @@
 
 CREATE SCHEMA IF NOT EXISTS outbox;
 CREATE SCHEMA IF NOT EXISTS inbox;
+-- Internal helpers: usable by no role (sql/grants.sql), called only by the API's functions and
+-- views, so that \df outbox.* lists the API alone.
+CREATE SCHEMA IF NOT EXISTS outbox_internal;
 
 DO $roles$
 DECLARE

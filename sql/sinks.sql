@@ -5,7 +5,7 @@
 --
 -- Rerunnable: tables only where missing, functions replaced.
 -- Name resolution (sql/grants.sql): the trigger function is [pinned], create_sink and drop_sink
--- are [caller], outbox._check_sink_settings is [native], _check_kafka_settings is [pinned],
+-- are [caller], outbox_internal._check_sink_settings is [native], _check_kafka_settings is [pinned],
 -- _is_string_map is [parsed].
 
 CREATE TABLE IF NOT EXISTS outbox.sinks (
@@ -57,7 +57,7 @@ CREATE TABLE IF NOT EXISTS outbox._sink_stats (
 -- Every check a sink row must pass, with the fix in the hint; also stamps updated_at (the
 -- worker rebuilds a sink's client when it changes). SECURITY DEFINER: it calls internal
 -- helpers that admins cannot execute directly.
-CREATE OR REPLACE FUNCTION outbox._check_sink() RETURNS trigger
+CREATE OR REPLACE FUNCTION outbox_internal._check_sink() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -68,14 +68,14 @@ DECLARE
                                     WHEN 'kafka_rest_v2' THEN ARRAY['json', 'binary']
                                     WHEN 'kafka_rest_v3' THEN ARRAY['json', 'binary', 'string'] END;
 BEGIN
-    PERFORM outbox._not_null(NEW.kind IS NULL, 'kind', 'outbox.create_sink');
-    PERFORM outbox._not_null(NEW.url IS NULL, 'url', 'outbox.create_sink');
-    PERFORM outbox._not_null(NEW.batch_size IS NULL, 'batch_size', 'outbox.create_sink');
-    PERFORM outbox._not_null(NEW.concurrency IS NULL, 'concurrency', 'outbox.create_sink');
-    PERFORM outbox._not_null(NEW.connect_timeout IS NULL, 'connect_timeout', 'outbox.create_sink');
-    PERFORM outbox._not_null(NEW.request_timeout IS NULL, 'request_timeout', 'outbox.create_sink');
-    PERFORM outbox._not_null(NEW.enabled IS NULL, 'enabled', 'outbox.sinks');
-    PERFORM outbox._not_null(NEW.linger IS NULL, 'linger', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.kind IS NULL, 'kind', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.url IS NULL, 'url', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.batch_size IS NULL, 'batch_size', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.concurrency IS NULL, 'concurrency', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.connect_timeout IS NULL, 'connect_timeout', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.request_timeout IS NULL, 'request_timeout', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.enabled IS NULL, 'enabled', 'outbox.sinks');
+    PERFORM outbox_internal._not_null(NEW.linger IS NULL, 'linger', 'outbox.create_sink');
     IF cardinality(NEW.topics) = 0 OR cardinality(NEW.aggregate_types) = 0
        OR array_position(NEW.topics, NULL) IS NOT NULL
        OR array_position(NEW.aggregate_types, NULL) IS NOT NULL THEN
@@ -107,7 +107,7 @@ BEGIN
         RAISE EXCEPTION 'timeouts must be positive and at most an hour'
             USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. connect_timeout => ''5 s'', request_timeout => ''30 s''.';
     END IF;
-    IF NOT outbox._is_string_map(NEW.http_headers) OR NOT outbox._is_string_map(NEW.topic_map) THEN
+    IF NOT outbox_internal._is_string_map(NEW.http_headers) OR NOT outbox_internal._is_string_map(NEW.topic_map) THEN
         RAISE EXCEPTION 'http_headers and topic_map must be JSON objects of strings'
             USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. ''{"Authorization": "Bearer t0ken"}''.';
     END IF;
@@ -117,10 +117,10 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Kafka topics are 1 to 249 of [A-Za-z0-9._-], not "." or "..".';
     END IF;
-    PERFORM outbox._check_kafka_settings(NEW);
+    PERFORM outbox_internal._check_kafka_settings(NEW);
     -- the URL of a kafka sink, the secret's key, each header, each CA certificate: as the
     -- worker will use them (Rust)
-    PERFORM outbox._check_sink_settings(NEW.kind, NEW.url, NEW.secret, NEW.http_headers, NEW.tls_ca);
+    PERFORM outbox_internal._check_sink_settings(NEW.kind, NEW.url, NEW.secret, NEW.http_headers, NEW.tls_ca);
     -- topics filter event topics; a name that topic_map only renames to is a Kafka topic
     FOR topic IN SELECT t FROM unnest(NEW.topics) AS t
                   WHERE NEW.topic_map IS NOT NULL AND NOT NEW.topic_map ? t
@@ -139,7 +139,7 @@ END
 $$;
 
 -- The settings of the native Kafka producer, and those that apply only to it.
-CREATE OR REPLACE FUNCTION outbox._check_kafka_settings(s outbox.sinks) RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._check_kafka_settings(s outbox.sinks) RETURNS void
     LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -179,18 +179,18 @@ $$;
 -- Whether a sink delivers an event (src/sinks/mod.rs, Config::routes, applies the same rule):
 -- topics match the event's topic, the one it was emitted with or else its aggregate type (the
 -- topic it goes to, before topic_map renames it); aggregate_types its aggregate type.
-CREATE OR REPLACE FUNCTION outbox._routes(sink outbox.sinks, topic text, aggregate_type text) RETURNS boolean
+CREATE OR REPLACE FUNCTION outbox_internal._routes(sink outbox.sinks, topic text, aggregate_type text) RETURNS boolean
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
     RETURN (sink.topics IS NULL OR coalesce(topic, aggregate_type) = ANY (sink.topics))
        AND (sink.aggregate_types IS NULL OR aggregate_type = ANY (sink.aggregate_types));
 
-CREATE OR REPLACE FUNCTION outbox._is_string_map(j jsonb) RETURNS boolean
+CREATE OR REPLACE FUNCTION outbox_internal._is_string_map(j jsonb) RETURNS boolean
     LANGUAGE sql IMMUTABLE
     RETURN j IS NULL OR (jsonb_typeof(j) = 'object' AND
                          NOT jsonb_path_exists(j, '$.* ? (@.type() != "string")'));
 
 CREATE OR REPLACE TRIGGER check_sink BEFORE INSERT OR UPDATE ON outbox.sinks
-    FOR EACH ROW EXECUTE FUNCTION outbox._check_sink();
+    FOR EACH ROW EXECUTE FUNCTION outbox_internal._check_sink();
 
 CREATE OR REPLACE FUNCTION outbox.create_sink(
     name            text,

@@ -1,9 +1,9 @@
 -- outbox_ext: what is left to deliver, per consumer and per shard, and why.
 --
--- What is pending is outbox._pending's answer (sql/claim.sql), for the events above
--- outbox._pending_floor, which bounds the index scan. A view of it costs O(consumers x shards),
+-- What is pending is outbox_internal._pending's answer (sql/claim.sql), for the events above
+-- outbox_internal._pending_floor, which bounds the index scan. A view of it costs O(consumers x shards),
 -- however many events the log holds: each shard's pending events are counted exactly up to
--- 1,000 and extrapolated beyond (outbox._shard_pending).
+-- 1,000 and extrapolated beyond (outbox_internal._shard_pending).
 --
 -- Name resolution (sql/grants.sql): both views are [parsed] and run as their owner;
 -- _shard_pending is [pinned] (the views call it as whoever reads them).
@@ -12,21 +12,21 @@
 -- seq order from the cursor's floor: counted up to cap; when there are more, the rest is
 -- estimated from their density in seq over the seq range still ahead. oldest: the oldest
 -- pending event's created_at (of the first cap, which start at the oldest seq).
-CREATE OR REPLACE FUNCTION outbox._shard_pending(cur outbox._cursor_log, sink outbox.sinks,
+CREATE OR REPLACE FUNCTION outbox_internal._shard_pending(cur outbox._cursor_log, sink outbox.sinks,
                                                  OUT events bigint, OUT oldest timestamptz)
     LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     cap       constant int := 1000;
-    floor_seq bigint := outbox._pending_floor(cur);
+    floor_seq bigint := outbox_internal._pending_floor(cur);
     first_seq bigint;
     last_seq  bigint;
 BEGIN
     SELECT count(*), min(p.created_at), min(p.seq), max(p.seq) INTO events, oldest, first_seq, last_seq
       FROM (SELECT e.created_at, e.seq FROM outbox.events e
-             WHERE e.shard = cur.shard AND e.seq > floor_seq AND outbox._pending(cur, e.txid, e.seq)
-               AND (sink.name IS NULL OR outbox._routes(sink, e.topic, e.aggregate_type))
+             WHERE e.shard = cur.shard AND e.seq > floor_seq AND outbox_internal._pending(cur, e.txid, e.seq)
+               AND (sink.name IS NULL OR outbox_internal._routes(sink, e.topic, e.aggregate_type))
              ORDER BY e.seq LIMIT cap) AS p;
     IF events = cap THEN
         events := events + (coalesce(pg_sequence_last_value('outbox.event_seq'), last_seq) - last_seq)
@@ -50,7 +50,7 @@ SELECT c.name AS consumer,
  CROSS JOIN LATERAL (SELECT * FROM outbox._cursor_log l
                       WHERE l.consumer_id = c.id AND l.shard = s.shard
                       ORDER BY l.pos DESC LIMIT 1) AS cur
- CROSS JOIN LATERAL outbox._shard_pending(cur, k) AS pend;  -- a sink's: only what it routes
+ CROSS JOIN LATERAL outbox_internal._shard_pending(cur, k) AS pend;  -- a sink's: only what it routes
 COMMENT ON VIEW outbox.shard_status IS
     'Per consumer and shard: pending events (exact up to 1,000, estimated beyond), the oldest one '
     'and its age, parked keys, who holds the lease.';

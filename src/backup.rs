@@ -44,11 +44,11 @@ pub unsafe extern "C-unwind" fn outbox_guard_drop(
 ) -> pg_sys::Datum {
     let context = (*fcinfo).context;
     if context.is_null() || (*context).type_ != pg_sys::NodeTag::T_EventTriggerData {
-        error!("outbox._guard_drop() runs only as an event trigger");
+        error!("outbox_internal._guard_drop() runs only as an event trigger");
     }
     let tree = (*(context as *mut pg_sys::EventTriggerData)).parsetree;
     if drops_outbox_ext(tree) && !gucs::drop_undelivered() {
-        let lost = Spi::get_one::<String>("SELECT outbox._undelivered()")
+        let lost = Spi::get_one::<String>("SELECT outbox_internal._undelivered()")
             .ok()
             .flatten();
         if let Some(lost) = lost {

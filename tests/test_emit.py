@@ -51,7 +51,7 @@ def test_emit_many_writes_in_array_order(db):
     assert db.execute("SELECT count(DISTINCT txid) FROM outbox.events").fetchone()[0] == 1
 
 
-INSERT_MANY = "SELECT outbox._insert_many('order', 'order.created', NULL, 'orders', %s, %s::jsonb[])"
+INSERT_MANY = "SELECT outbox_internal._insert_many('order', 'order.created', NULL, 'orders', %s, %s::jsonb[])"
 
 
 def emit_each(db, keys, payloads) -> list:
@@ -70,7 +70,7 @@ WRITERS = [pytest.param(emit_each, id="emit"), pytest.param(emit_batch, id="emit
 
 
 def sql_path_calls(db) -> int:
-    """Calls of emit_many's INSERT path (outbox._batch_ids) in this transaction; needs
+    """Calls of emit_many's INSERT path (outbox_internal._batch_ids) in this transaction; needs
     track_functions = 'all'."""
     return db.execute("SELECT coalesce(sum(calls), 0) FROM pg_stat_xact_user_functions "
                       "WHERE schemaname = 'outbox' AND funcname = '_batch_ids'").fetchone()[0]

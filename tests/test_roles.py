@@ -1,5 +1,6 @@
 """Privileges: a producer can only emit; nothing is granted to PUBLIC; SECURITY DEFINER
-functions pin their search_path."""
+functions pin their search_path; the API schemas hold the API, the internal one is usable by
+no role."""
 
 import psycopg
 import pytest
@@ -23,9 +24,9 @@ def test_producer_can_emit(connect, db):
     "SELECT * FROM outbox.maintain()",
     "SELECT * FROM outbox.partition_config",
     "SELECT * FROM inbox.messages",
-    "SELECT outbox._batch_ids('a', 'e', NULL, NULL, ARRAY['1'], 1)",
+    "SELECT outbox_internal._batch_ids('a', 'e', NULL, NULL, ARRAY['1'], 1)",
     # writes without the executor's permission checks: only emit_many (its owner) may call it
-    "SELECT outbox._insert_many('a', 'e', NULL, NULL, ARRAY['1'], ARRAY['{}'::jsonb])",
+    "SELECT outbox_internal._insert_many('a', 'e', NULL, NULL, ARRAY['1'], ARRAY['{}'::jsonb])",
 ])
 def test_producer_cannot_read_or_touch_events_or_internals(connect, db, sql):
     db.execute("SELECT outbox.emit('a', '1', 'e', '{\"secret\": 1}')")
@@ -63,21 +64,47 @@ def test_nothing_in_the_extension_is_granted_to_public(db):
     public_grants = db.execute("""
         SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace,
                aclexplode(coalesce(c.relacl, acldefault('r', c.relowner))) a
-         WHERE n.nspname IN ('outbox', 'inbox') AND a.grantee = 0
+         WHERE n.nspname IN ('outbox', 'inbox', 'outbox_internal') AND a.grantee = 0
         UNION ALL
         SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace,
                aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a
-         WHERE n.nspname IN ('outbox', 'inbox') AND a.grantee = 0
+         WHERE n.nspname IN ('outbox', 'inbox', 'outbox_internal') AND a.grantee = 0
         UNION ALL
         SELECT n.nspname FROM pg_namespace n, aclexplode(n.nspacl) a
-         WHERE n.nspname IN ('outbox', 'inbox') AND a.grantee = 0""").fetchall()
+         WHERE n.nspname IN ('outbox', 'inbox', 'outbox_internal') AND a.grantee = 0""").fetchall()
     assert public_grants == []
+
+
+def test_the_api_schemas_list_only_documented_functions(db):
+    functions = db.execute("""
+        SELECT p.oid::regprocedure::text, obj_description(p.oid, 'pg_proc')
+          FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+         WHERE n.nspname IN ('outbox', 'inbox')""").fetchall()
+    assert len(functions) >= 20
+    assert [f for f, _ in functions if f.split(".", 1)[1].startswith("_")] == [], "internals in the API"
+    assert [f for f, doc in functions if not doc] == [], "undocumented"
+    assert db.execute("SELECT count(*) FROM pg_proc WHERE pronamespace = 'outbox_internal'::regnamespace"
+                      ).fetchone()[0] >= 50
+
+
+@pytest.mark.parametrize("user", ["producer_user", "relay_user", "admin_user", "nobody_user"])
+def test_no_role_may_call_an_internal_helper_but_the_views_still_read_through_them(connect, db, user):
+    db.execute("SELECT outbox.create_consumer('c')")
+    db.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
+    for role in ["outbox_producer", "outbox_relay", "outbox_admin", "outbox_worker"]:
+        assert not db.execute("SELECT has_schema_privilege(%s, 'outbox_internal', 'USAGE')", (role,)).fetchone()[0]
+    who = connect(user)
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        who.execute("SELECT outbox_internal._shard_pending(NULL, NULL)")  # the one a view may execute
+    if user in ("relay_user", "admin_user"):
+        # outbox.status calls outbox_internal._shard_pending for each shard
+        assert who.execute("SELECT pending FROM outbox.status WHERE consumer = 'c'").fetchone()[0] == 1
 
 
 def test_security_definer_functions_pin_search_path(db):
     unpinned = db.execute("""
         SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-         WHERE n.nspname IN ('outbox', 'inbox') AND p.prosecdef
+         WHERE n.nspname IN ('outbox', 'inbox', 'outbox_internal') AND p.prosecdef
            AND NOT coalesce(p.proconfig, '{}') && ARRAY['search_path=pg_catalog, pg_temp']""").fetchall()
     assert unpinned == []
     assert db.execute("""SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace

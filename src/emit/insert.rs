@@ -1,6 +1,6 @@
 //! The native write of both emits (`Target`): rows go into the partition that holds now() the
 //! way COPY writes them (one multi-insert per page of rows, then their index entries), instead
-//! of one executor INSERT per row. `outbox._insert_many` is bulk emit's entry to it; the native
+//! of one executor INSERT per row. `outbox_internal._insert_many` is bulk emit's entry to it; the native
 //! `outbox.emit` (`single`) writes its one row through it too.
 //!
 //! Nothing is written when the table is not as it expects (a trigger, row security, a CHECK or
@@ -48,7 +48,12 @@ unsafe extern "C-unwind" {
 /// when the plain INSERT has to do it. Called by `outbox.emit_many` only (no one else may
 /// execute it: it writes without the executor's permission checks, so it checks INSERT itself).
 #[allow(clippy::too_many_arguments)]
-#[pg_extern(schema = "outbox", name = "_insert_many", volatile, parallel_unsafe)]
+#[pg_extern(
+    schema = "outbox_internal",
+    name = "_insert_many",
+    volatile,
+    parallel_unsafe
+)]
 fn insert_many(
     aggregate_type: Option<&str>,
     event_type: Option<&str>,

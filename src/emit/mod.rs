@@ -93,7 +93,12 @@ fn event_id(
 /// Checks a whole `emit_many` batch (fields shared by the batch once, keys one by one, the
 /// largest payload against the limit) and returns one id per event, in order: one call per
 /// batch instead of one per event keeps bulk emit close to a plain INSERT.
-#[pg_extern(schema = "outbox", name = "_batch_ids", volatile, parallel_safe)]
+#[pg_extern(
+    schema = "outbox_internal",
+    name = "_batch_ids",
+    volatile,
+    parallel_safe
+)]
 fn batch_ids(
     aggregate_type: Option<&str>,
     event_type: Option<&str>,

@@ -1,5 +1,5 @@
 //! A sink's settings are checked when its row is written: the trigger on outbox.sinks calls
-//! `outbox._check_sink_settings`, so that no sink is saved in a state the worker could never
+//! `outbox_internal._check_sink_settings`, so that no sink is saved in a state the worker could never
 //! deliver with. The rules are the ones the worker applies when it builds the sink's client
 //! (`kafka::bootstrap`, `webhook::Signer::new`, `http::check_header`, `http::certificates`):
 //! one definition each. Runs in a backend, never on the delivery threads.
@@ -13,7 +13,7 @@ use pgrx::JsonB;
 /// http_headers entry or a tls_ca the worker could not use; NULLs are fine (no secret, no
 /// extra headers, the public roots). A kafka sink's secret is its SASL password: any text.
 #[pg_extern(
-    schema = "outbox",
+    schema = "outbox_internal",
     name = "_check_sink_settings",
     immutable,
     parallel_safe

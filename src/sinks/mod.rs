@@ -90,7 +90,7 @@ pub struct Config {
 impl Config {
     /// Events outside the sink's routing are skipped (acknowledged without a request).
     /// `topics` matches the event's topic: the one it was emitted with, else its aggregate
-    /// type (the topic it is sent to, before `topic_map` renames it); as outbox._routes.
+    /// type (the topic it is sent to, before `topic_map` renames it); as outbox_internal._routes.
     pub fn routes(&self, event: &Event) -> bool {
         let topic = event.topic.as_deref().unwrap_or(&event.aggregate_type);
         let topic_ok =
