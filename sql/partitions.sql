@@ -45,17 +45,25 @@ CREATE OR REPLACE FUNCTION outbox_internal._bound(parent regclass, at timestampt
     RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN inbox.uuid_at(at)::text ELSE at::text END;
 
 -- Every partition of the two tables with its time range (NULLs for a default partition).
-CREATE OR REPLACE VIEW outbox.partitions AS
+CREATE OR REPLACE VIEW outbox_internal.partition_ranges AS
 SELECT i.inhparent::regclass AS parent,
        c.oid::regclass AS partition,
        CASE WHEN i.inhparent = 'inbox.messages'::regclass THEN inbox.uuid_time(b[1]::uuid) ELSE b[1]::timestamptz END AS lower,
        CASE WHEN i.inhparent = 'inbox.messages'::regclass THEN inbox.uuid_time(b[2]::uuid) ELSE b[2]::timestamptz END AS upper,
-       b IS NULL AS is_default,
-       pg_total_relation_size(c.oid) AS bytes
+       b IS NULL AS is_default
   FROM pg_inherits i
   JOIN pg_class c ON c.oid = i.inhrelid
-  LEFT JOIN LATERAL regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \(''([^'']*)''\) TO \(''([^'']*)''\)') AS b ON true
+  CROSS JOIN LATERAL pg_get_expr(c.relpartbound, c.oid) AS e
+  -- FOR VALUES FROM ('lower') TO ('upper'): the quoted values, cut out without a regexp
+  CROSS JOIN LATERAL (SELECT CASE WHEN e LIKE 'FOR VALUES FROM (''%'') TO (''%'')'
+                                  THEN ARRAY[split_part(e, '''', 2), split_part(e, '''', 4)] END) AS x(b)
  WHERE i.inhparent IN ('outbox.events'::regclass, 'inbox.messages'::regclass);
+
+-- The same with each partition's size on disk. (pg_total_relation_size is volatile, which
+-- keeps a view that computes it from being merged into a query: maintain() reads the ranges.)
+CREATE OR REPLACE VIEW outbox.partitions AS
+SELECT r.parent, r.partition, r.lower, r.upper, r.is_default, pg_total_relation_size(r.partition) AS bytes
+  FROM outbox_internal.partition_ranges r;
 COMMENT ON VIEW outbox.partitions IS 'Partitions of outbox.events and inbox.messages with their time ranges.';
 
 -- outbox.partitions as a value, without the sizes (each a stat of every file of a partition).
@@ -63,7 +71,7 @@ CREATE OR REPLACE FUNCTION outbox_internal._partition_list() RETURNS outbox.part
     LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT ARRAY(SELECT ROW(x.parent, x.partition, x.lower, x.upper, x.is_default, NULL)::outbox.partitions
-                   FROM outbox.partitions x)
+                   FROM outbox_internal.partition_ranges x)
 $$;
 
 CREATE OR REPLACE FUNCTION outbox_internal._floor_time(at timestamptz, width interval) RETURNS timestamptz
@@ -123,9 +131,9 @@ DECLARE
     part  text;
     dflt  regclass;
 BEGIN
-    SELECT greatest(lo_at, max(p.upper)) INTO lo_at FROM outbox.partitions p
+    SELECT greatest(lo_at, max(p.upper)) INTO lo_at FROM outbox_internal.partition_ranges p
      WHERE p.parent = _create_partition.parent AND NOT p.is_default AND p.upper > lo_at AND p.lower <= lo_at;
-    SELECT least(hi_at, min(p.lower)) INTO hi_at FROM outbox.partitions p
+    SELECT least(hi_at, min(p.lower)) INTO hi_at FROM outbox_internal.partition_ranges p
      WHERE p.parent = _create_partition.parent AND NOT p.is_default AND p.lower >= lo_at AND p.lower < hi_at;
     IF lo_at >= hi_at THEN
         RETURN NULL;
@@ -133,7 +141,7 @@ BEGIN
     SELECT n.nspname, c.relname INTO nsp, rel
       FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = parent;
     part := outbox_internal._partition_name(rel, lo_at);
-    SELECT p.partition INTO dflt FROM outbox.partitions p
+    SELECT p.partition INTO dflt FROM outbox_internal.partition_ranges p
      WHERE p.parent = _create_partition.parent AND p.is_default;
     -- Standalone first, then the default partition's rows of the range, then attach: a
     -- default partition holding rows of the range would make a plain CREATE ... PARTITION OF fail.
@@ -302,14 +310,16 @@ BEGIN
             parts := outbox_internal._partition_list();
         END IF;
         FOR lo_at IN
-            WITH existing AS MATERIALIZED (
-                     SELECT x.lower, x.upper FROM unnest(parts) x
+            WITH existing AS (  -- what the partitions cover, as one value (not a scan per range)
+                     SELECT coalesce(range_agg(tstzrange(x.lower, x.upper)), '{}') AS covered
+                       FROM unnest(parts) x
                       WHERE x.parent = cfg.parent AND NOT x.is_default
                         AND x.upper > outbox_internal._floor_time(now(), cfg.width))
-            SELECT g FROM generate_series(outbox_internal._floor_time(now(), cfg.width),
+            SELECT g FROM existing,
+                          generate_series(outbox_internal._floor_time(now(), cfg.width),
                                           outbox_internal._floor_time(now(), cfg.width) + cfg.width * cfg.ahead,
                                           cfg.width) AS g
-             WHERE NOT EXISTS (SELECT FROM existing e WHERE e.lower <= g AND e.upper >= g + cfg.width)
+             WHERE NOT existing.covered @> tstzrange(g, g + cfg.width)
              ORDER BY g
         LOOP
             created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);

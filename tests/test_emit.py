@@ -73,7 +73,7 @@ def sql_path_calls(db) -> int:
     """Calls of emit_many's INSERT path (outbox_internal._batch_ids) in this transaction; needs
     track_functions = 'all'."""
     return db.execute("SELECT coalesce(sum(calls), 0) FROM pg_stat_xact_user_functions "
-                      "WHERE schemaname = 'outbox' AND funcname = '_batch_ids'").fetchone()[0]
+                      "WHERE schemaname = 'outbox_internal' AND funcname = '_batch_ids'").fetchone()[0]
 
 
 def index_is_whole(db) -> None:
