@@ -28,7 +28,7 @@
 -- exponential backoff and jitter; after max_attempts it goes to outbox.dead_letters and the key
 -- moves on. When the queue is empty the key is unparked and flows with its shard again.
 --
--- Name resolution (sql/grants.sql): the API functions are [pinned], helpers (outbox._*) run
+-- Name resolution (sql/grants.sql): the API functions are [pinned], helpers (outbox_internal._*) run
 -- [inside] them and do not pin search_path themselves: only the SECURITY DEFINER API functions
 -- below call them, and those pin it. A SET clause on every helper would cost each call a GUC
 -- save and restore and a new search path lookup, about 5% of a claim.
@@ -153,6 +153,22 @@ CREATE TABLE IF NOT EXISTS outbox._marks (
     top xid8        PRIMARY KEY,
     seq bigint      NOT NULL,
     at  timestamptz NOT NULL DEFAULT now()
+);
+
+-- Seals: what outbox.maintain() learned of the log's past. Every event made before upper (by a
+-- transaction that began before it; emit's created_at is that start) has a seq of at most
+-- max_seq. So a read of the events above a seq may add "created_at >= the newest seal's upper
+-- whose max_seq is at most that seq" (outbox_internal._since), which PostgreSQL uses to skip
+-- the older partitions before it opens them: a claim's cost does not grow with the partitions
+-- it has read past. maintain() seals only a partition boundary that no open transaction began
+-- before, and a minute back from that: a clock stepped back by more could let an event land
+-- behind a seal, unseen by claims (dropping a partition past retention assumes the same of
+-- the clock). Insert-only; maintain() trims seals below the oldest partition. Not dumped: a
+-- restored database has none until maintain() seals it again.
+CREATE TABLE IF NOT EXISTS outbox._seals (
+    max_seq bigint      NOT NULL,
+    upper   timestamptz NOT NULL,
+    PRIMARY KEY (max_seq, upper)
 );
 
 -- One row of a claimed batch.
@@ -318,6 +334,7 @@ AS $$
 DECLARE
     late    record;
     seq_end bigint;
+    since   timestamptz;
 BEGIN
     IF cur.restored_seq IS NOT NULL THEN
         -- Restored from a dump (sql/restore.sql): the last window in the dump's transaction ids
@@ -345,6 +362,7 @@ BEGIN
     late := outbox_internal._late(cur);
     cur.late_from := NULL; cur.late_to := NULL;
     IF cardinality(late.txids) > 0 THEN
+        since := outbox_internal._since(late.floor_seq);
         -- One pass over the range per transaction (there are few), txid = t checked on the
         -- index entries: only their events' rows are visited. (txid = ANY (array) is checked
         -- on the heap rows instead, and a min/max plan would walk the range twice.)
@@ -352,7 +370,7 @@ BEGIN
           FROM unnest(late.txids) AS t
          CROSS JOIN LATERAL (SELECT e.seq FROM outbox.events e
                               WHERE e.shard = cur.shard AND e.seq > late.floor_seq
-                                AND e.seq <= seq_end AND e.txid = t
+                                AND e.seq <= seq_end AND e.txid = t AND e.created_at >= since
                              OFFSET 0) AS e;
     END IF;
     cur.after_seq := NULL;
@@ -445,14 +463,53 @@ BEGIN
 END
 $$;
 
+-- The earliest created_at an event with a greater seq can have ('-infinity' when no seal says).
+-- Seals are made a minute behind the clock: a clock now behind that went back, and until
+-- maintain() has dropped the seals (sql/partitions.sql) none is trusted.
+CREATE OR REPLACE FUNCTION outbox_internal._since(seq bigint) RETURNS timestamptz
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    IF now() < (SELECT s.upper FROM outbox._seals s ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1)
+               + interval '1 minute' THEN
+        RETURN '-infinity';
+    END IF;
+    RETURN coalesce((SELECT s.upper FROM outbox._seals s WHERE s.max_seq <= _since.seq
+                      ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1), '-infinity');
+END
+$$;
+
+-- Whether a cursor at this floor has not yet read past the newest seal's seq: until it has,
+-- it gains nothing from the seal (a shard with no new events keeps its floor, since a claim
+-- finds nothing to read there), so a claim reads the shard once to move it past (_free_cursor).
+CREATE OR REPLACE FUNCTION outbox_internal._behind_a_seal(floor_seq bigint) RETURNS boolean
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    RETURN floor_seq < (SELECT s.max_seq FROM outbox._seals s ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1);
+END
+$$;
+
+-- The earliest created_at of the events _window can read for the cursor: its since argument.
+-- Callers pass it as a value (a PL/pgSQL variable): a value prunes partitions before they are
+-- opened, where an expression would be evaluated again for every row.
+CREATE OR REPLACE FUNCTION outbox_internal._window_since(cur outbox._cursor_log) RETURNS timestamptz
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    RETURN outbox_internal._since(least(greatest(cur.after_seq, cur.lo_seq), cur.late_from - 1));
+END
+$$;
+
 -- Events of a shard in the cursor's window, after its position and up to seq upto, in seq
--- order, at most lim (NULL: all). Both parts walk the (shard, seq, txid) index in order and
+-- order, at most lim (NULL: all); none made before since (_window_since). Both parts walk the (shard, seq, txid) index in order and
 -- stop at the limit. A SQL function that the planner inlines into the statement calling it:
 -- rows are read once, not copied through a function's result first. The callers' plans are
 -- generic (see the API's SET clause): a custom plan, costed with the actual bounds, would
 -- rather sort a whole backlog. A restored cursor reads only the dump's events, whose txids
 -- are the dump's (sql/restore.sql).
-CREATE OR REPLACE FUNCTION outbox_internal._window(shard int, cur outbox._cursor_log, upto bigint, lim int)
+CREATE OR REPLACE FUNCTION outbox_internal._window(shard int, cur outbox._cursor_log, upto bigint, lim int,
+                                                  since timestamptz)
 RETURNS SETOF outbox.events
     LANGUAGE sql STABLE
 AS $$
@@ -461,6 +518,7 @@ AS $$
           WHERE e.shard = _window.shard
             AND e.seq > greatest(cur.after_seq, cur.lo_seq)
             AND e.seq <= least(coalesce(upto, 9223372036854775807), cur.restored_seq)
+            AND e.created_at >= since
             AND e.txid >= cur.lo_top AND e.txid < pg_catalog.pg_snapshot_xmax(cur.hi_snap)
             AND pg_catalog.pg_visible_in_snapshot(e.txid, cur.hi_snap)
           ORDER BY e.seq LIMIT lim)
@@ -470,6 +528,7 @@ AS $$
             AND e.shard = _window.shard
             AND e.seq >= cur.late_from AND e.seq > coalesce(cur.after_seq, -1)
             AND e.seq <= least(cur.late_to, coalesce(upto, 9223372036854775807), cur.restored_seq)
+            AND e.created_at >= since
             AND e.txid = ANY ((SELECT (outbox_internal._late(cur)).txids)::xid8[])  -- once, not per row
           ORDER BY e.seq LIMIT lim)
     ) AS w ORDER BY w.seq LIMIT lim
@@ -607,13 +666,15 @@ $$;
 -- A shard's cursor if a claim may take the shard now: it locks the shard (SKIP LOCKED), which
 -- then has no batch out under a live lease, and has something to read: parked keys (parked),
 -- a window open, or an event above its floor (one index probe; no window is opened for
--- nothing). Otherwise no cursor.
+-- nothing), or a floor behind the newest seal (an empty window read once moves it past).
+-- Otherwise no cursor.
 CREATE OR REPLACE FUNCTION outbox_internal._free_cursor(consumer_id int, shard int,
                                                OUT cur outbox._cursor_log, OUT parked boolean)
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
     floor_seq bigint;
+    since     timestamptz;
 BEGIN
     PERFORM FROM outbox._shards s
      WHERE s.consumer_id = _free_cursor.consumer_id AND s.shard = _free_cursor.shard
@@ -630,8 +691,10 @@ BEGIN
                        WHERE p.consumer_id = _free_cursor.consumer_id AND p.shard = _free_cursor.shard);
     IF NOT parked AND cur.hi_snap IS NULL AND cur.restored_seq IS NULL THEN
         floor_seq := outbox_internal._pending_floor(cur);  -- a value: the probe's index bound
+        since := outbox_internal._since(floor_seq);
         IF NOT EXISTS (SELECT FROM outbox.events e
-                        WHERE e.shard = _free_cursor.shard AND e.seq > floor_seq) THEN
+                        WHERE e.shard = _free_cursor.shard AND e.seq > floor_seq AND e.created_at >= since)
+           AND NOT coalesce(outbox_internal._behind_a_seal(floor_seq), false) THEN
             cur := NULL;
         END IF;
     END IF;
@@ -639,25 +702,36 @@ END
 $$;
 
 -- Whether a claim could find anything for the consumer: a shard with parked keys, a window
--- open, a restored cursor, or an event above its floor — what _free_cursor asks of each shard,
--- asked of all of them in one read-only statement, without locking a shard or taking an xid.
--- False means every shard's _free_cursor would find nothing to read, so a claim with nothing to
+-- open, a restored cursor, a floor behind a seal, or an event above its floor — what
+-- _free_cursor asks of each shard, asked of all of them read-only, without locking a shard or
+-- taking an xid. False means every shard's _free_cursor would find nothing to read, so a claim with nothing to
 -- do (an idle relay's poll) stops here and writes nothing: no row lock, no mark, no commit
 -- record. True may still find nothing (a lease, a lock, events not yet committed).
 CREATE OR REPLACE FUNCTION outbox_internal._may_have_work(consumer_id int) RETURNS boolean
     LANGUAGE plpgsql STABLE
 AS $$
+DECLARE
+    curs  outbox._cursor_log[] := ARRAY(
+              SELECT cur.l FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
+               CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
+                                    WHERE l.consumer_id = _may_have_work.consumer_id AND l.shard = s.shard
+                                    ORDER BY l.pos DESC LIMIT 1) AS cur);
+    since timestamptz;
 BEGIN
+    IF EXISTS (SELECT FROM unnest(curs) c
+                WHERE c.hi_snap IS NOT NULL OR c.restored_seq IS NOT NULL
+                   OR outbox_internal._behind_a_seal(outbox_internal._pending_floor(c))) THEN
+        RETURN true;
+    END IF;
+    -- one value for every shard (the lowest floor's): partitions pruned before they are opened
+    since := outbox_internal._since((SELECT min(outbox_internal._pending_floor(c)) FROM unnest(curs) c));
     RETURN EXISTS (
-        SELECT FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
-         CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
-                              WHERE l.consumer_id = _may_have_work.consumer_id AND l.shard = s.shard
-                              ORDER BY l.pos DESC LIMIT 1) AS cur
-         WHERE (cur.l).hi_snap IS NOT NULL OR (cur.l).restored_seq IS NOT NULL
-            OR EXISTS (SELECT FROM outbox._parked p
-                        WHERE p.consumer_id = _may_have_work.consumer_id AND p.shard = s.shard)
+        SELECT FROM unnest(curs) AS c
+         WHERE EXISTS (SELECT FROM outbox._parked p
+                        WHERE p.consumer_id = _may_have_work.consumer_id AND p.shard = c.shard)
             OR EXISTS (SELECT FROM outbox.events e
-                        WHERE e.shard = s.shard AND e.seq > outbox_internal._pending_floor(cur.l)));
+                        WHERE e.shard = c.shard AND e.seq > outbox_internal._pending_floor(c)
+                          AND e.created_at >= since));
 END
 $$;
 
@@ -694,6 +768,7 @@ DECLARE
     cur    outbox._cursor_log;
     next   outbox._cursor_log;
     fresh  boolean;
+    since  timestamptz;
     got    bigint := 0;
 BEGIN
     FOR i IN 0 .. n - 1 LOOP
@@ -708,8 +783,9 @@ BEGIN
             IF cur.hi_snap IS NULL THEN
                 cur := outbox_internal._open_window(cur, seq_mark, x);
             END IF;
+            since := outbox_internal._window_since(cur);
             RETURN QUERY
-            WITH page AS MATERIALIZED (SELECT * FROM outbox_internal._window(cur.shard, cur, NULL, batch_size)),
+            WITH page AS MATERIALIZED (SELECT * FROM outbox_internal._window(cur.shard, cur, NULL, batch_size, since)),
                  written AS MATERIALIZED (
                      SELECT outbox_internal._append(outbox_internal._claimed(cur, owner, lease, max(p.seq),
                                                            count(*) < batch_size, '{}'))
@@ -770,13 +846,15 @@ DECLARE
     mine      outbox.events[];
     heads     outbox.claimed[];
     exhausted boolean;
+    since     timestamptz;
 BEGIN
     LOOP
         fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
         IF cur.hi_snap IS NULL THEN
             cur := outbox_internal._open_window(cur, seq_mark, x);
         END IF;
-        page := ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, NULL, batch_size) AS w ORDER BY w.seq);
+        since := outbox_internal._window_since(cur);
+        page := ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, NULL, batch_size, since) AS w ORDER BY w.seq);
         exhausted := cardinality(page) < batch_size;
         PERFORM outbox_internal._queue_parked(c.id, ARRAY(
             SELECT e FROM unnest(page) e
@@ -919,8 +997,10 @@ $$;
 CREATE OR REPLACE FUNCTION outbox_internal._batch(cur outbox._cursor_log) RETURNS outbox.events[]
     LANGUAGE plpgsql STABLE
 AS $$
+DECLARE
+    since timestamptz := outbox_internal._window_since(cur);
 BEGIN
-    RETURN ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, cur.batch_end, NULL) w ORDER BY w.seq);
+    RETURN ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, cur.batch_end, NULL, since) w ORDER BY w.seq);
 END
 $$;
 

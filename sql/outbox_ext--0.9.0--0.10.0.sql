@@ -18,6 +18,9 @@
 CREATE SCHEMA IF NOT EXISTS outbox_internal;
 REVOKE ALL ON SCHEMA outbox_internal FROM PUBLIC;
 
+-- _window takes the time its events were made after (see below)
+DROP FUNCTION IF EXISTS outbox._window(int, outbox._cursor_log, bigint, int);
+
 -- a second run finds nothing left to move
 DO $move$
 DECLARE
@@ -33,6 +36,25 @@ BEGIN
     END IF;
 END
 $move$;
+-- Internal helpers: usable by no role (sql/grants.sql), called only by the API's functions and
+-- views, so that \df outbox.* lists the API alone.
+CREATE SCHEMA IF NOT EXISTS outbox_internal;
+
+-- Seals: what outbox.maintain() learned of the log's past. Every event made before upper (by a
+-- transaction that began before it; emit's created_at is that start) has a seq of at most
+-- max_seq. So a read of the events above a seq may add "created_at >= the newest seal's upper
+-- whose max_seq is at most that seq" (outbox_internal._since), which PostgreSQL uses to skip
+-- the older partitions before it opens them: a claim's cost does not grow with the partitions
+-- it has read past. maintain() seals only a partition boundary that no open transaction began
+-- before, and a minute back from that: a clock stepped back by more could let an event land
+-- behind a seal, unseen by claims (dropping a partition past retention assumes the same of
+-- the clock). Insert-only; maintain() trims seals below the oldest partition. Not dumped: a
+-- restored database has none until maintain() seals it again.
+CREATE TABLE IF NOT EXISTS outbox._seals (
+    max_seq bigint      NOT NULL,
+    upper   timestamptz NOT NULL,
+    PRIMARY KEY (max_seq, upper)
+);
 
 ---------------------------------------------------------------------------------------------
 -- Internals
@@ -70,6 +92,7 @@ AS $$
 DECLARE
     late    record;
     seq_end bigint;
+    since   timestamptz;
 BEGIN
     IF cur.restored_seq IS NOT NULL THEN
         -- Restored from a dump (sql/restore.sql): the last window in the dump's transaction ids
@@ -97,6 +120,7 @@ BEGIN
     late := outbox_internal._late(cur);
     cur.late_from := NULL; cur.late_to := NULL;
     IF cardinality(late.txids) > 0 THEN
+        since := outbox_internal._since(late.floor_seq);
         -- One pass over the range per transaction (there are few), txid = t checked on the
         -- index entries: only their events' rows are visited. (txid = ANY (array) is checked
         -- on the heap rows instead, and a min/max plan would walk the range twice.)
@@ -104,7 +128,7 @@ BEGIN
           FROM unnest(late.txids) AS t
          CROSS JOIN LATERAL (SELECT e.seq FROM outbox.events e
                               WHERE e.shard = cur.shard AND e.seq > late.floor_seq
-                                AND e.seq <= seq_end AND e.txid = t
+                                AND e.seq <= seq_end AND e.txid = t AND e.created_at >= since
                              OFFSET 0) AS e;
     END IF;
     cur.after_seq := NULL;
@@ -156,14 +180,53 @@ BEGIN
 END
 $$;
 
+-- The earliest created_at an event with a greater seq can have ('-infinity' when no seal says).
+-- Seals are made a minute behind the clock: a clock now behind that went back, and until
+-- maintain() has dropped the seals (sql/partitions.sql) none is trusted.
+CREATE OR REPLACE FUNCTION outbox_internal._since(seq bigint) RETURNS timestamptz
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    IF now() < (SELECT s.upper FROM outbox._seals s ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1)
+               + interval '1 minute' THEN
+        RETURN '-infinity';
+    END IF;
+    RETURN coalesce((SELECT s.upper FROM outbox._seals s WHERE s.max_seq <= _since.seq
+                      ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1), '-infinity');
+END
+$$;
+
+-- Whether a cursor at this floor has not yet read past the newest seal's seq: until it has,
+-- it gains nothing from the seal (a shard with no new events keeps its floor, since a claim
+-- finds nothing to read there), so a claim reads the shard once to move it past (_free_cursor).
+CREATE OR REPLACE FUNCTION outbox_internal._behind_a_seal(floor_seq bigint) RETURNS boolean
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    RETURN floor_seq < (SELECT s.max_seq FROM outbox._seals s ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1);
+END
+$$;
+
+-- The earliest created_at of the events _window can read for the cursor: its since argument.
+-- Callers pass it as a value (a PL/pgSQL variable): a value prunes partitions before they are
+-- opened, where an expression would be evaluated again for every row.
+CREATE OR REPLACE FUNCTION outbox_internal._window_since(cur outbox._cursor_log) RETURNS timestamptz
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    RETURN outbox_internal._since(least(greatest(cur.after_seq, cur.lo_seq), cur.late_from - 1));
+END
+$$;
+
 -- Events of a shard in the cursor's window, after its position and up to seq upto, in seq
--- order, at most lim (NULL: all). Both parts walk the (shard, seq, txid) index in order and
+-- order, at most lim (NULL: all); none made before since (_window_since). Both parts walk the (shard, seq, txid) index in order and
 -- stop at the limit. A SQL function that the planner inlines into the statement calling it:
 -- rows are read once, not copied through a function's result first. The callers' plans are
 -- generic (see the API's SET clause): a custom plan, costed with the actual bounds, would
 -- rather sort a whole backlog. A restored cursor reads only the dump's events, whose txids
 -- are the dump's (sql/restore.sql).
-CREATE OR REPLACE FUNCTION outbox_internal._window(shard int, cur outbox._cursor_log, upto bigint, lim int)
+CREATE OR REPLACE FUNCTION outbox_internal._window(shard int, cur outbox._cursor_log, upto bigint, lim int,
+                                                  since timestamptz)
 RETURNS SETOF outbox.events
     LANGUAGE sql STABLE
 AS $$
@@ -172,6 +235,7 @@ AS $$
           WHERE e.shard = _window.shard
             AND e.seq > greatest(cur.after_seq, cur.lo_seq)
             AND e.seq <= least(coalesce(upto, 9223372036854775807), cur.restored_seq)
+            AND e.created_at >= since
             AND e.txid >= cur.lo_top AND e.txid < pg_catalog.pg_snapshot_xmax(cur.hi_snap)
             AND pg_catalog.pg_visible_in_snapshot(e.txid, cur.hi_snap)
           ORDER BY e.seq LIMIT lim)
@@ -181,6 +245,7 @@ AS $$
             AND e.shard = _window.shard
             AND e.seq >= cur.late_from AND e.seq > coalesce(cur.after_seq, -1)
             AND e.seq <= least(cur.late_to, coalesce(upto, 9223372036854775807), cur.restored_seq)
+            AND e.created_at >= since
             AND e.txid = ANY ((SELECT (outbox_internal._late(cur)).txids)::xid8[])  -- once, not per row
           ORDER BY e.seq LIMIT lim)
     ) AS w ORDER BY w.seq LIMIT lim
@@ -270,13 +335,15 @@ $$;
 -- A shard's cursor if a claim may take the shard now: it locks the shard (SKIP LOCKED), which
 -- then has no batch out under a live lease, and has something to read: parked keys (parked),
 -- a window open, or an event above its floor (one index probe; no window is opened for
--- nothing). Otherwise no cursor.
+-- nothing), or a floor behind the newest seal (an empty window read once moves it past).
+-- Otherwise no cursor.
 CREATE OR REPLACE FUNCTION outbox_internal._free_cursor(consumer_id int, shard int,
                                                OUT cur outbox._cursor_log, OUT parked boolean)
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
     floor_seq bigint;
+    since     timestamptz;
 BEGIN
     PERFORM FROM outbox._shards s
      WHERE s.consumer_id = _free_cursor.consumer_id AND s.shard = _free_cursor.shard
@@ -293,8 +360,10 @@ BEGIN
                        WHERE p.consumer_id = _free_cursor.consumer_id AND p.shard = _free_cursor.shard);
     IF NOT parked AND cur.hi_snap IS NULL AND cur.restored_seq IS NULL THEN
         floor_seq := outbox_internal._pending_floor(cur);  -- a value: the probe's index bound
+        since := outbox_internal._since(floor_seq);
         IF NOT EXISTS (SELECT FROM outbox.events e
-                        WHERE e.shard = _free_cursor.shard AND e.seq > floor_seq) THEN
+                        WHERE e.shard = _free_cursor.shard AND e.seq > floor_seq AND e.created_at >= since)
+           AND NOT coalesce(outbox_internal._behind_a_seal(floor_seq), false) THEN
             cur := NULL;
         END IF;
     END IF;
@@ -302,25 +371,36 @@ END
 $$;
 
 -- Whether a claim could find anything for the consumer: a shard with parked keys, a window
--- open, a restored cursor, or an event above its floor — what _free_cursor asks of each shard,
--- asked of all of them in one read-only statement, without locking a shard or taking an xid.
--- False means every shard's _free_cursor would find nothing to read, so a claim with nothing to
+-- open, a restored cursor, a floor behind a seal, or an event above its floor — what
+-- _free_cursor asks of each shard, asked of all of them read-only, without locking a shard or
+-- taking an xid. False means every shard's _free_cursor would find nothing to read, so a claim with nothing to
 -- do (an idle relay's poll) stops here and writes nothing: no row lock, no mark, no commit
 -- record. True may still find nothing (a lease, a lock, events not yet committed).
 CREATE OR REPLACE FUNCTION outbox_internal._may_have_work(consumer_id int) RETURNS boolean
     LANGUAGE plpgsql STABLE
 AS $$
+DECLARE
+    curs  outbox._cursor_log[] := ARRAY(
+              SELECT cur.l FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
+               CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
+                                    WHERE l.consumer_id = _may_have_work.consumer_id AND l.shard = s.shard
+                                    ORDER BY l.pos DESC LIMIT 1) AS cur);
+    since timestamptz;
 BEGIN
+    IF EXISTS (SELECT FROM unnest(curs) c
+                WHERE c.hi_snap IS NOT NULL OR c.restored_seq IS NOT NULL
+                   OR outbox_internal._behind_a_seal(outbox_internal._pending_floor(c))) THEN
+        RETURN true;
+    END IF;
+    -- one value for every shard (the lowest floor's): partitions pruned before they are opened
+    since := outbox_internal._since((SELECT min(outbox_internal._pending_floor(c)) FROM unnest(curs) c));
     RETURN EXISTS (
-        SELECT FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
-         CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
-                              WHERE l.consumer_id = _may_have_work.consumer_id AND l.shard = s.shard
-                              ORDER BY l.pos DESC LIMIT 1) AS cur
-         WHERE (cur.l).hi_snap IS NOT NULL OR (cur.l).restored_seq IS NOT NULL
-            OR EXISTS (SELECT FROM outbox._parked p
-                        WHERE p.consumer_id = _may_have_work.consumer_id AND p.shard = s.shard)
+        SELECT FROM unnest(curs) AS c
+         WHERE EXISTS (SELECT FROM outbox._parked p
+                        WHERE p.consumer_id = _may_have_work.consumer_id AND p.shard = c.shard)
             OR EXISTS (SELECT FROM outbox.events e
-                        WHERE e.shard = s.shard AND e.seq > outbox_internal._pending_floor(cur.l)));
+                        WHERE e.shard = c.shard AND e.seq > outbox_internal._pending_floor(c)
+                          AND e.created_at >= since));
 END
 $$;
 
@@ -339,6 +419,7 @@ DECLARE
     cur    outbox._cursor_log;
     next   outbox._cursor_log;
     fresh  boolean;
+    since  timestamptz;
     got    bigint := 0;
 BEGIN
     FOR i IN 0 .. n - 1 LOOP
@@ -353,8 +434,9 @@ BEGIN
             IF cur.hi_snap IS NULL THEN
                 cur := outbox_internal._open_window(cur, seq_mark, x);
             END IF;
+            since := outbox_internal._window_since(cur);
             RETURN QUERY
-            WITH page AS MATERIALIZED (SELECT * FROM outbox_internal._window(cur.shard, cur, NULL, batch_size)),
+            WITH page AS MATERIALIZED (SELECT * FROM outbox_internal._window(cur.shard, cur, NULL, batch_size, since)),
                  written AS MATERIALIZED (
                      SELECT outbox_internal._append(outbox_internal._claimed(cur, owner, lease, max(p.seq),
                                                            count(*) < batch_size, '{}'))
@@ -396,13 +478,15 @@ DECLARE
     mine      outbox.events[];
     heads     outbox.claimed[];
     exhausted boolean;
+    since     timestamptz;
 BEGIN
     LOOP
         fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
         IF cur.hi_snap IS NULL THEN
             cur := outbox_internal._open_window(cur, seq_mark, x);
         END IF;
-        page := ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, NULL, batch_size) AS w ORDER BY w.seq);
+        since := outbox_internal._window_since(cur);
+        page := ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, NULL, batch_size, since) AS w ORDER BY w.seq);
         exhausted := cardinality(page) < batch_size;
         PERFORM outbox_internal._queue_parked(c.id, ARRAY(
             SELECT e FROM unnest(page) e
@@ -503,8 +587,10 @@ $$;
 CREATE OR REPLACE FUNCTION outbox_internal._batch(cur outbox._cursor_log) RETURNS outbox.events[]
     LANGUAGE plpgsql STABLE
 AS $$
+DECLARE
+    since timestamptz := outbox_internal._window_since(cur);
 BEGIN
-    RETURN ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, cur.batch_end, NULL) w ORDER BY w.seq);
+    RETURN ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, cur.batch_end, NULL, since) w ORDER BY w.seq);
 END
 $$;
 
@@ -1113,6 +1199,38 @@ BEGIN
 END
 $$;
 
+-- Seal the event log's past (outbox._seals, sql/claim.sql) at the newest upper bound of an
+-- events partition that no open transaction, in any database, began before, a minute back:
+-- every transaction that began before it has ended or is prepared, so its events already have
+-- their seqs, all at most the sequence's value read after. Seals below the oldest partition
+-- skip nothing and go (the newest stays).
+CREATE OR REPLACE FUNCTION outbox_internal._seal(parts outbox.partitions[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    before timestamptz := least(now(), (SELECT min(a.xact_start) FROM pg_stat_activity a)) - interval '1 minute';
+    bound  timestamptz;
+BEGIN
+    IF now() < (SELECT max(s.upper) FROM outbox._seals s) + interval '1 minute' THEN
+        -- the clock went back: a transaction begun since may make events behind a seal
+        DELETE FROM outbox._seals;
+        RAISE WARNING 'outbox.maintain: the clock is behind the newest seal of the event log; dropped the seals'
+            USING HINT = 'Claims read every partition until maintain() seals again, once the clock is past them.';
+        RETURN;
+    END IF;
+    SELECT max(x.upper) INTO bound FROM unnest(parts) x
+     WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default AND x.upper <= before;
+    IF bound > coalesce((SELECT max(s.upper) FROM outbox._seals s), '-infinity') THEN
+        INSERT INTO outbox._seals (max_seq, upper)
+        VALUES (coalesce(pg_sequence_last_value('outbox.event_seq'), 0), bound);
+    END IF;
+    DELETE FROM outbox._seals s
+     WHERE s.upper < (SELECT max(t.upper) FROM outbox._seals t)
+       AND s.upper <= (SELECT min(x.lower) FROM unnest(parts) x
+                        WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default);
+END
+$$;
+
 CREATE OR REPLACE FUNCTION outbox.maintain()
 RETURNS TABLE (action text, relation text, detail text)
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
@@ -1247,10 +1365,12 @@ BEGIN
             END IF;
         END LOOP;
     END LOOP;
+    -- 4. seal the past: claims then skip the partitions they have read past
+    PERFORM outbox_internal._seal(parts);
     DELETE FROM inbox.messages_default m
      WHERE m.received_at < now() - (SELECT c.retention FROM outbox.partition_config c
                                      WHERE c.parent = 'inbox.messages'::regclass);
-    -- 4. cursor history (a minute of it is kept, for a look at what happened) and marks
+    -- 5. cursor history (a minute of it is kept, for a look at what happened) and marks
     DELETE FROM outbox._cursor_log l
      WHERE l.at < now() - interval '1 minute'
        AND l.pos < (SELECT max(m.pos) FROM outbox._cursor_log m
@@ -1383,12 +1503,14 @@ AS $$
 DECLARE
     cap       constant int := 1000;
     floor_seq bigint := outbox_internal._pending_floor(cur);
+    since     timestamptz := outbox_internal._since(floor_seq);
     first_seq bigint;
     last_seq  bigint;
 BEGIN
     SELECT count(*), min(p.created_at), min(p.seq), max(p.seq) INTO events, oldest, first_seq, last_seq
       FROM (SELECT e.created_at, e.seq FROM outbox.events e
-             WHERE e.shard = cur.shard AND e.seq > floor_seq AND outbox_internal._pending(cur, e.txid, e.seq)
+             WHERE e.shard = cur.shard AND e.seq > floor_seq AND e.created_at >= since
+               AND outbox_internal._pending(cur, e.txid, e.seq)
                AND (sink.name IS NULL OR outbox_internal._routes(sink, e.topic, e.aggregate_type))
              ORDER BY e.seq LIMIT cap) AS p;
     IF events = cap THEN
@@ -1397,7 +1519,16 @@ BEGIN
     END IF;
 END
 $$;
+-- Not marked: outbox._marks (floors for transactions in progress, in the dumped cluster's
+-- transaction ids: meaningless after a restore, and claims make new ones).
+-- Not marked: outbox._seals (what this cluster's maintain() saw of open transactions; the
+-- restoring cluster's maintain() seals the restored log anew, claims read every partition
+-- until then).
+/* </end connected objects> */
 
+/* <begin connected objects> */
+-- src/roles.rs:13
+CREATE SCHEMA IF NOT EXISTS outbox_internal; 
 CREATE OR REPLACE FUNCTION outbox.emit_many(
     aggregate_type text,
     event_type     text,
@@ -1439,3 +1570,7 @@ BEGIN
     RETURN QUERY SELECT unnest(ids);
 END
 $$;
+
+-- nothing new is PUBLIC
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox, inbox, outbox_internal FROM PUBLIC;
+REVOKE ALL ON outbox._seals FROM PUBLIC;

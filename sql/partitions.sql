@@ -194,6 +194,38 @@ BEGIN
 END
 $$;
 
+-- Seal the event log's past (outbox._seals, sql/claim.sql) at the newest upper bound of an
+-- events partition that no open transaction, in any database, began before, a minute back:
+-- every transaction that began before it has ended or is prepared, so its events already have
+-- their seqs, all at most the sequence's value read after. Seals below the oldest partition
+-- skip nothing and go (the newest stays).
+CREATE OR REPLACE FUNCTION outbox_internal._seal(parts outbox.partitions[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    before timestamptz := least(now(), (SELECT min(a.xact_start) FROM pg_stat_activity a)) - interval '1 minute';
+    bound  timestamptz;
+BEGIN
+    IF now() < (SELECT max(s.upper) FROM outbox._seals s) + interval '1 minute' THEN
+        -- the clock went back: a transaction begun since may make events behind a seal
+        DELETE FROM outbox._seals;
+        RAISE WARNING 'outbox.maintain: the clock is behind the newest seal of the event log; dropped the seals'
+            USING HINT = 'Claims read every partition until maintain() seals again, once the clock is past them.';
+        RETURN;
+    END IF;
+    SELECT max(x.upper) INTO bound FROM unnest(parts) x
+     WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default AND x.upper <= before;
+    IF bound > coalesce((SELECT max(s.upper) FROM outbox._seals s), '-infinity') THEN
+        INSERT INTO outbox._seals (max_seq, upper)
+        VALUES (coalesce(pg_sequence_last_value('outbox.event_seq'), 0), bound);
+    END IF;
+    DELETE FROM outbox._seals s
+     WHERE s.upper < (SELECT max(t.upper) FROM outbox._seals t)
+       AND s.upper <= (SELECT min(x.lower) FROM unnest(parts) x
+                        WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default);
+END
+$$;
+
 CREATE OR REPLACE FUNCTION outbox.maintain()
 RETURNS TABLE (action text, relation text, detail text)
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
@@ -328,10 +360,12 @@ BEGIN
             END IF;
         END LOOP;
     END LOOP;
+    -- 4. seal the past: claims then skip the partitions they have read past
+    PERFORM outbox_internal._seal(parts);
     DELETE FROM inbox.messages_default m
      WHERE m.received_at < now() - (SELECT c.retention FROM outbox.partition_config c
                                      WHERE c.parent = 'inbox.messages'::regclass);
-    -- 4. cursor history (a minute of it is kept, for a look at what happened) and marks
+    -- 5. cursor history (a minute of it is kept, for a look at what happened) and marks
     DELETE FROM outbox._cursor_log l
      WHERE l.at < now() - interval '1 minute'
        AND l.pos < (SELECT max(m.pos) FROM outbox._cursor_log m

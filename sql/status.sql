@@ -20,12 +20,14 @@ AS $$
 DECLARE
     cap       constant int := 1000;
     floor_seq bigint := outbox_internal._pending_floor(cur);
+    since     timestamptz := outbox_internal._since(floor_seq);
     first_seq bigint;
     last_seq  bigint;
 BEGIN
     SELECT count(*), min(p.created_at), min(p.seq), max(p.seq) INTO events, oldest, first_seq, last_seq
       FROM (SELECT e.created_at, e.seq FROM outbox.events e
-             WHERE e.shard = cur.shard AND e.seq > floor_seq AND outbox_internal._pending(cur, e.txid, e.seq)
+             WHERE e.shard = cur.shard AND e.seq > floor_seq AND e.created_at >= since
+               AND outbox_internal._pending(cur, e.txid, e.seq)
                AND (sink.name IS NULL OR outbox_internal._routes(sink, e.topic, e.aggregate_type))
              ORDER BY e.seq LIMIT cap) AS p;
     IF events = cap THEN

@@ -1,0 +1,122 @@
+"""Seals (outbox._seals): once maintain() has sealed the log's past, claims, settles and
+status skip the partitions behind the seal (they are never scanned), and nothing is lost for
+it: an open transaction holds the seal back, and a clock gone back behind a seal drops them."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from relay import Relay
+
+OLD = 30  # hourly partitions before today's
+
+
+def make_old_partitions(db) -> None:
+    """OLD partitions of an hour each, ending where today's daily one starts."""
+    db.execute("""SELECT count(outbox_internal._create_partition('outbox.events',
+                                 date_trunc('day', now()) - g * interval '1 hour', '1 hour'))
+                    FROM generate_series(1, %s) g""", (OLD,))
+
+
+def scanned_old_partitions(db, sql: str, *args) -> int:
+    """How many of the old partitions sql's index scans visit (it runs in a transaction that is
+    rolled back; pg_stat_xact_user_tables counts its index scans per partition, once the
+    counts of earlier transactions, which it shows until they are flushed, are)."""
+    db.execute("SELECT pg_stat_force_next_flush()")   # flushed as the session goes idle
+    db.execute("BEGIN")
+    try:
+        db.execute(sql, args)
+        return db.execute("""SELECT count(*) FROM pg_stat_xact_user_tables t
+                              JOIN outbox.partitions p ON p.partition = t.relid
+                             WHERE p.parent = 'outbox.events'::regclass AND NOT p.is_default
+                               AND p.upper <= date_trunc('day', now()) AND t.idx_scan > 0""").fetchone()[0]
+    finally:
+        db.execute("ROLLBACK")
+
+
+def read_past_everything(db, relay: Relay) -> None:
+    """The consumer has read every event so far, then maintain() seals the past, then the
+    consumer reads on past the seal's seq (two windows on: transactions in progress at a
+    window's bound, in any database, keep its floor one window back)."""
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    relay.drain()
+    db.execute("SELECT * FROM outbox.maintain()")
+    for _ in range(2):
+        db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+        relay.drain()
+
+
+def test_claims_settles_and_status_skip_the_partitions_behind_a_seal(db):
+    db.execute("SELECT outbox.create_consumer('c')")
+    make_old_partitions(db)
+    relay = Relay(db, "c", batch_size=10)
+    read_past_everything(db, relay)
+    assert db.execute("SELECT max(upper) FROM outbox._seals").fetchone()[0] is not None
+    for i in range(20):
+        db.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (f"k{i}",))
+    batch = relay.claim()
+    assert batch
+    assert scanned_old_partitions(db, "SELECT * FROM outbox.claim('c', 10)") == 0
+    assert scanned_old_partitions(db, "SELECT outbox.settle('c', %s, %s, '[]')", batch[0].shard, batch[0].epoch) == 0
+    assert scanned_old_partitions(db, "SELECT * FROM outbox.status") == 0
+    assert scanned_old_partitions(db, "SELECT * FROM outbox.shard_status") == 0
+    # without the seal every partition is read again: what the seal saves
+    db.execute("DELETE FROM outbox._seals")
+    assert scanned_old_partitions(db, "SELECT * FROM outbox.claim('c', 10)") == OLD
+    relay.settle(batch[0].shard, batch[0].epoch)
+    assert len(relay.drain()) == 20 - len(batch)
+
+
+def test_a_consumer_behind_a_seal_reads_every_partition_it_may_still_find_events_in(db):
+    """A seal is used only by a cursor past its seq: one still behind it reads everything."""
+    db.execute("SELECT outbox.create_consumer('ahead'); SELECT outbox.create_consumer('behind')")
+    make_old_partitions(db)
+    ahead = Relay(db, "ahead", batch_size=10)
+    for i in range(30):
+        db.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (f"k{i}",))
+    read_past_everything(db, ahead)
+    assert db.execute("SELECT count(*) FROM outbox._seals").fetchone()[0] == 1
+    db.execute("SELECT outbox.emit('order', 'new', 'e', '{}')")
+    assert scanned_old_partitions(db, "SELECT * FROM outbox.claim('ahead', 10)") == 0
+    assert scanned_old_partitions(db, "SELECT * FROM outbox.claim('behind', 10)") == OLD
+    assert len(Relay(db, "behind", batch_size=7).drain()) == 34
+
+
+def test_an_open_transaction_holds_the_seal_back(db, connect):
+    """No seal at or after a minute before the oldest open transaction began (in any database):
+    such a transaction may still write events made then."""
+    db.execute("UPDATE outbox.partition_config SET width = '1 second', ahead = 5 WHERE parent = 'outbox.events'::regclass")
+    for (part,) in db.execute("SELECT partition::text FROM outbox.partitions"
+                              " WHERE parent = 'outbox.events'::regclass AND NOT is_default").fetchall():
+        db.execute(f"DROP TABLE {part}")
+    db.execute("""SELECT count(outbox_internal._create_partition('outbox.events',
+                                 date_trunc('second', now()) - g * interval '1 second', '1 second'))
+                    FROM generate_series(1, 90) g""")
+    other = connect(autocommit=False)
+    began = other.execute("SELECT now()").fetchone()[0]   # a transaction, open from here on
+    time.sleep(2)
+    db.execute("SELECT * FROM outbox.maintain()")
+    held = db.execute("SELECT max(upper) FROM outbox._seals").fetchone()[0]
+    assert held is not None and held <= began - timedelta(minutes=1)
+    other.rollback()
+    db.execute("SELECT * FROM outbox.maintain()")
+    freed = db.execute("SELECT max(upper) FROM outbox._seals").fetchone()[0]
+    assert freed > held, "the seal moves on once the transaction has ended"
+
+
+def test_a_clock_gone_back_behind_a_seal_drops_the_seals(db):
+    db.execute("SELECT outbox.create_consumer('c')")
+    make_old_partitions(db)
+    relay = Relay(db, "c")
+    read_past_everything(db, relay)
+    # a seal made an hour ahead of the clock as it is now: the clock went back since
+    db.execute("INSERT INTO outbox._seals (max_seq, upper) SELECT max(max_seq), now() + interval '1 hour' FROM outbox._seals")
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    assert scanned_old_partitions(db, "SELECT * FROM outbox.claim('c', 10)") == OLD, "no seal trusted"
+    notices: list[str] = []
+    db.add_notice_handler(lambda d: notices.append(d.message_primary))
+    db.execute("SELECT * FROM outbox.maintain()")
+    assert any("dropped the seals" in n for n in notices), notices
+    assert db.execute("SELECT count(*) FROM outbox._seals").fetchone()[0] == 0
+    assert [e.aggregate_id for e in relay.drain()] == ["k"]  # the one emitted after the seal
