@@ -163,11 +163,13 @@ CREATE TABLE IF NOT EXISTS outbox._marks (
 -- it has read past. maintain() seals only a partition boundary that no open transaction began
 -- before, and a minute back from that: a clock stepped back by more could let an event land
 -- behind a seal, unseen by claims (dropping a partition past retention assumes the same of
--- the clock). Insert-only; maintain() trims seals below the oldest partition. Not dumped: a
--- restored database has none until maintain() seals it again.
+-- the clock). Insert-only; maintain() trims seals below the oldest partition. Not dumped, and
+-- dropped when a dump is restored (sql/restore.sql): the restored events' seqs and times are
+-- the dump's; maintain() seals the restored log once it is rebased.
 CREATE TABLE IF NOT EXISTS outbox._seals (
     max_seq bigint      NOT NULL,
     upper   timestamptz NOT NULL,
+    made_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (max_seq, upper)
 );
 
@@ -463,6 +465,18 @@ BEGIN
 END
 $$;
 
+-- The newest seal (NULLs when there is none).
+CREATE OR REPLACE FUNCTION outbox_internal._newest_seal() RETURNS outbox._seals
+    LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    newest outbox._seals;
+BEGIN
+    SELECT * INTO newest FROM outbox._seals s ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1;
+    RETURN newest;
+END
+$$;
+
 -- The earliest created_at an event with a greater seq can have ('-infinity' when no seal says).
 -- Seals are made a minute behind the clock: a clock now behind that went back, and until
 -- maintain() has dropped the seals (sql/partitions.sql) none is trusted.
@@ -470,8 +484,7 @@ CREATE OR REPLACE FUNCTION outbox_internal._since(seq bigint) RETURNS timestampt
     LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
-    IF now() < (SELECT s.upper FROM outbox._seals s ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1)
-               + interval '1 minute' THEN
+    IF now() < (outbox_internal._newest_seal()).upper + interval '1 minute' THEN
         RETURN '-infinity';
     END IF;
     RETURN coalesce((SELECT s.upper FROM outbox._seals s WHERE s.max_seq <= _since.seq
@@ -479,14 +492,17 @@ BEGIN
 END
 $$;
 
--- Whether a cursor at this floor has not yet read past the newest seal's seq: until it has,
--- it gains nothing from the seal (a shard with no new events keeps its floor, since a claim
--- finds nothing to read there), so a claim reads the shard once to move it past (_free_cursor).
-CREATE OR REPLACE FUNCTION outbox_internal._behind_a_seal(floor_seq bigint) RETURNS boolean
+-- Whether the cursor's floor is behind the newest seal's seq, and the cursor was last written
+-- before that seal was made. Until its floor is past the seal, a cursor gains nothing from it,
+-- and a shard with no new events keeps its floor (a claim finds nothing to read there); so a
+-- claim reads such a shard once and records the empty window (_free_cursor, _claim). Once
+-- per seal: a transaction in progress may keep the floor behind a while longer.
+CREATE OR REPLACE FUNCTION outbox_internal._behind_a_seal(cur outbox._cursor_log, newest outbox._seals)
+RETURNS boolean
     LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
-    RETURN floor_seq < (SELECT s.max_seq FROM outbox._seals s ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1);
+    RETURN coalesce(outbox_internal._pending_floor(cur) < newest.max_seq AND cur.at < newest.made_at, false);
 END
 $$;
 
@@ -694,7 +710,7 @@ BEGIN
         since := outbox_internal._since(floor_seq);
         IF NOT EXISTS (SELECT FROM outbox.events e
                         WHERE e.shard = _free_cursor.shard AND e.seq > floor_seq AND e.created_at >= since)
-           AND NOT coalesce(outbox_internal._behind_a_seal(floor_seq), false) THEN
+           AND NOT outbox_internal._behind_a_seal(cur, outbox_internal._newest_seal()) THEN
             cur := NULL;
         END IF;
     END IF;
@@ -716,11 +732,12 @@ DECLARE
                CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
                                     WHERE l.consumer_id = _may_have_work.consumer_id AND l.shard = s.shard
                                     ORDER BY l.pos DESC LIMIT 1) AS cur);
-    since timestamptz;
+    newest outbox._seals := outbox_internal._newest_seal();
+    since  timestamptz;
 BEGIN
     IF EXISTS (SELECT FROM unnest(curs) c
                 WHERE c.hi_snap IS NOT NULL OR c.restored_seq IS NOT NULL
-                   OR outbox_internal._behind_a_seal(outbox_internal._pending_floor(c))) THEN
+                   OR outbox_internal._behind_a_seal(c, newest)) THEN
         RETURN true;
     END IF;
     -- one value for every shard (the lowest floor's): partitions pruned before they are opened
@@ -798,9 +815,11 @@ BEGIN
             EXIT WHEN got > 0;
             IF fresh THEN
                 -- nothing new since the last window: record the empty window as read when
-                -- that raises the floor, so the next claim's probe starts above it
+                -- that raises the floor, so the next claim's probe starts above it, or when
+                -- the shard was read for a seal (once per seal)
                 next := outbox_internal._advance(cur, NULL, true);
-                IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) THEN
+                IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur)
+                   OR outbox_internal._behind_a_seal(cur, outbox_internal._newest_seal()) THEN
                     PERFORM outbox_internal._append(next);
                 END IF;
                 EXIT;

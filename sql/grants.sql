@@ -43,7 +43,7 @@
 
 REVOKE ALL ON SCHEMA outbox, inbox, outbox_internal
     FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
-REVOKE ALL ON ALL TABLES IN SCHEMA outbox, inbox
+REVOKE ALL ON ALL TABLES IN SCHEMA outbox, inbox, outbox_internal
     FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox, inbox
     FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
@@ -99,7 +99,7 @@ TO outbox_admin;
 GRANT SELECT ON outbox.events, outbox.consumers, outbox.sinks, outbox._sink_stats,
     outbox.dead_letters, outbox.partition_config, outbox.partitions, outbox.status,
     outbox.shard_status, outbox._shards, outbox._cursor_log, outbox._parked,
-    outbox._parked_events, outbox._marks, outbox._origin, inbox.messages
+    outbox._parked_events, outbox._marks, outbox._seals, outbox._origin, inbox.messages
 TO outbox_admin;
 GRANT INSERT, UPDATE, DELETE ON outbox.sinks TO outbox_admin;   -- checked by its trigger
 GRANT UPDATE (max_attempts, backoff_base, backoff_max) ON outbox.consumers TO outbox_admin;

@@ -345,6 +345,8 @@ GRANT EXECUTE ON FUNCTION
                        jsonb, text, jsonb, text, int, interval, interval, boolean),
     outbox.drop_sink(text)
 TO outbox_admin;
+GRANT ALL ON ALL TABLES IN SCHEMA outbox TO outbox_admin;
 
 REVOKE ALL ON ALL TABLES IN SCHEMA inbox FROM PUBLIC;
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA inbox FROM PUBLIC;
+GRANT ALL ON ALL TABLES IN SCHEMA inbox TO outbox_admin;

@@ -21,12 +21,15 @@ REVOKE ALL ON SCHEMA outbox_internal FROM PUBLIC;
 -- _window takes the time its events were made after (see below)
 DROP FUNCTION IF EXISTS outbox._window(int, outbox._cursor_log, bigint, int);
 
--- a second run finds nothing left to move
+-- our own helpers only (a user's function of that name stays); a second run finds none left
 DO $move$
 DECLARE
     f regprocedure;
 BEGIN
     FOR f IN SELECT p.oid FROM pg_catalog.pg_proc p
+               JOIN pg_catalog.pg_depend d ON d.classid = 'pg_catalog.pg_proc'::regclass AND d.objid = p.oid
+                                          AND d.refclassid = 'pg_catalog.pg_extension'::regclass AND d.deptype = 'e'
+               JOIN pg_catalog.pg_extension x ON x.oid = d.refobjid AND x.extname = 'outbox_ext'
               WHERE p.pronamespace = 'outbox'::regnamespace AND p.proname LIKE '\_%'
     LOOP
         EXECUTE pg_catalog.format('ALTER FUNCTION %s SET SCHEMA outbox_internal', f);
@@ -48,11 +51,13 @@ CREATE SCHEMA IF NOT EXISTS outbox_internal;
 -- it has read past. maintain() seals only a partition boundary that no open transaction began
 -- before, and a minute back from that: a clock stepped back by more could let an event land
 -- behind a seal, unseen by claims (dropping a partition past retention assumes the same of
--- the clock). Insert-only; maintain() trims seals below the oldest partition. Not dumped: a
--- restored database has none until maintain() seals it again.
+-- the clock). Insert-only; maintain() trims seals below the oldest partition. Not dumped, and
+-- dropped when a dump is restored (sql/restore.sql): the restored events' seqs and times are
+-- the dump's; maintain() seals the restored log once it is rebased.
 CREATE TABLE IF NOT EXISTS outbox._seals (
     max_seq bigint      NOT NULL,
     upper   timestamptz NOT NULL,
+    made_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (max_seq, upper)
 );
 
@@ -180,6 +185,18 @@ BEGIN
 END
 $$;
 
+-- The newest seal (NULLs when there is none).
+CREATE OR REPLACE FUNCTION outbox_internal._newest_seal() RETURNS outbox._seals
+    LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    newest outbox._seals;
+BEGIN
+    SELECT * INTO newest FROM outbox._seals s ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1;
+    RETURN newest;
+END
+$$;
+
 -- The earliest created_at an event with a greater seq can have ('-infinity' when no seal says).
 -- Seals are made a minute behind the clock: a clock now behind that went back, and until
 -- maintain() has dropped the seals (sql/partitions.sql) none is trusted.
@@ -187,8 +204,7 @@ CREATE OR REPLACE FUNCTION outbox_internal._since(seq bigint) RETURNS timestampt
     LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
-    IF now() < (SELECT s.upper FROM outbox._seals s ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1)
-               + interval '1 minute' THEN
+    IF now() < (outbox_internal._newest_seal()).upper + interval '1 minute' THEN
         RETURN '-infinity';
     END IF;
     RETURN coalesce((SELECT s.upper FROM outbox._seals s WHERE s.max_seq <= _since.seq
@@ -196,14 +212,17 @@ BEGIN
 END
 $$;
 
--- Whether a cursor at this floor has not yet read past the newest seal's seq: until it has,
--- it gains nothing from the seal (a shard with no new events keeps its floor, since a claim
--- finds nothing to read there), so a claim reads the shard once to move it past (_free_cursor).
-CREATE OR REPLACE FUNCTION outbox_internal._behind_a_seal(floor_seq bigint) RETURNS boolean
+-- Whether the cursor's floor is behind the newest seal's seq, and the cursor was last written
+-- before that seal was made. Until its floor is past the seal, a cursor gains nothing from it,
+-- and a shard with no new events keeps its floor (a claim finds nothing to read there); so a
+-- claim reads such a shard once and records the empty window (_free_cursor, _claim). Once
+-- per seal: a transaction in progress may keep the floor behind a while longer.
+CREATE OR REPLACE FUNCTION outbox_internal._behind_a_seal(cur outbox._cursor_log, newest outbox._seals)
+RETURNS boolean
     LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
-    RETURN floor_seq < (SELECT s.max_seq FROM outbox._seals s ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1);
+    RETURN coalesce(outbox_internal._pending_floor(cur) < newest.max_seq AND cur.at < newest.made_at, false);
 END
 $$;
 
@@ -363,7 +382,7 @@ BEGIN
         since := outbox_internal._since(floor_seq);
         IF NOT EXISTS (SELECT FROM outbox.events e
                         WHERE e.shard = _free_cursor.shard AND e.seq > floor_seq AND e.created_at >= since)
-           AND NOT coalesce(outbox_internal._behind_a_seal(floor_seq), false) THEN
+           AND NOT outbox_internal._behind_a_seal(cur, outbox_internal._newest_seal()) THEN
             cur := NULL;
         END IF;
     END IF;
@@ -385,11 +404,12 @@ DECLARE
                CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
                                     WHERE l.consumer_id = _may_have_work.consumer_id AND l.shard = s.shard
                                     ORDER BY l.pos DESC LIMIT 1) AS cur);
-    since timestamptz;
+    newest outbox._seals := outbox_internal._newest_seal();
+    since  timestamptz;
 BEGIN
     IF EXISTS (SELECT FROM unnest(curs) c
                 WHERE c.hi_snap IS NOT NULL OR c.restored_seq IS NOT NULL
-                   OR outbox_internal._behind_a_seal(outbox_internal._pending_floor(c))) THEN
+                   OR outbox_internal._behind_a_seal(c, newest)) THEN
         RETURN true;
     END IF;
     -- one value for every shard (the lowest floor's): partitions pruned before they are opened
@@ -449,9 +469,11 @@ BEGIN
             EXIT WHEN got > 0;
             IF fresh THEN
                 -- nothing new since the last window: record the empty window as read when
-                -- that raises the floor, so the next claim's probe starts above it
+                -- that raises the floor, so the next claim's probe starts above it, or when
+                -- the shard was read for a seal (once per seal)
                 next := outbox_internal._advance(cur, NULL, true);
-                IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) THEN
+                IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur)
+                   OR outbox_internal._behind_a_seal(cur, outbox_internal._newest_seal()) THEN
                     PERFORM outbox_internal._append(next);
                 END IF;
                 EXIT;
@@ -1004,90 +1026,6 @@ BEGIN
     RETURN n;
 END
 $$;
-
--- Every check a sink row must pass, with the fix in the hint; also stamps updated_at (the
--- worker rebuilds a sink's client when it changes). SECURITY DEFINER: it calls internal
--- helpers that admins cannot execute directly.
-CREATE OR REPLACE FUNCTION outbox_internal._check_sink() RETURNS trigger
-    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    topic   text;
-    kafka   boolean := NEW.kind = 'kafka';
-    formats text[] := CASE NEW.kind WHEN 'webhook' THEN ARRAY['batch', 'single']
-                                    WHEN 'kafka' THEN ARRAY['outbox', 'debezium']
-                                    WHEN 'kafka_rest_v2' THEN ARRAY['json', 'binary']
-                                    WHEN 'kafka_rest_v3' THEN ARRAY['json', 'binary', 'string'] END;
-BEGIN
-    PERFORM outbox_internal._not_null(NEW.kind IS NULL, 'kind', 'outbox.create_sink');
-    PERFORM outbox_internal._not_null(NEW.url IS NULL, 'url', 'outbox.create_sink');
-    PERFORM outbox_internal._not_null(NEW.batch_size IS NULL, 'batch_size', 'outbox.create_sink');
-    PERFORM outbox_internal._not_null(NEW.concurrency IS NULL, 'concurrency', 'outbox.create_sink');
-    PERFORM outbox_internal._not_null(NEW.connect_timeout IS NULL, 'connect_timeout', 'outbox.create_sink');
-    PERFORM outbox_internal._not_null(NEW.request_timeout IS NULL, 'request_timeout', 'outbox.create_sink');
-    PERFORM outbox_internal._not_null(NEW.enabled IS NULL, 'enabled', 'outbox.sinks');
-    PERFORM outbox_internal._not_null(NEW.linger IS NULL, 'linger', 'outbox.create_sink');
-    IF cardinality(NEW.topics) = 0 OR cardinality(NEW.aggregate_types) = 0
-       OR array_position(NEW.topics, NULL) IS NOT NULL
-       OR array_position(NEW.aggregate_types, NULL) IS NOT NULL THEN
-        RAISE EXCEPTION 'topics and aggregate_types must be NULL (all) or lists of names'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'An empty list or a NULL in one would match nothing: pass NULL for all.';
-    END IF;
-    IF formats IS NULL THEN
-        RAISE EXCEPTION 'unknown sink kind "%"', NEW.kind USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'kind is webhook, kafka, kafka_rest_v2 or kafka_rest_v3.';
-    END IF;
-    NEW.format := coalesce(NEW.format, formats[1]);
-    IF NOT NEW.format = ANY (formats) THEN
-        RAISE EXCEPTION 'format "%" does not fit a % sink', NEW.format, NEW.kind
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = format('Use one of %s, or NULL for %s.', array_to_string(formats, ', '), formats[1]);
-    END IF;
-    IF NOT kafka AND NEW.url !~ '^https?://[^/?#\s]+[^\s]*$' THEN
-        RAISE EXCEPTION 'invalid sink URL "%"', NEW.url USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'Give an absolute http:// or https:// URL, e.g. https://hooks.example.com/outbox.';
-    END IF;
-    IF NEW.batch_size NOT BETWEEN 1 AND 10000 OR NEW.concurrency NOT BETWEEN 1 AND 64 THEN
-        RAISE EXCEPTION 'batch_size % or concurrency % is out of range', NEW.batch_size, NEW.concurrency
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'batch_size is 1 to 10000; concurrency is 1 to 64.';
-    END IF;
-    IF NOT (NEW.connect_timeout > '0' AND NEW.request_timeout > '0'
-            AND NEW.connect_timeout <= '1 hour' AND NEW.request_timeout <= '1 hour') THEN
-        RAISE EXCEPTION 'timeouts must be positive and at most an hour'
-            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. connect_timeout => ''5 s'', request_timeout => ''30 s''.';
-    END IF;
-    IF NOT outbox_internal._is_string_map(NEW.http_headers) OR NOT outbox_internal._is_string_map(NEW.topic_map) THEN
-        RAISE EXCEPTION 'http_headers and topic_map must be JSON objects of strings'
-            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. ''{"Authorization": "Bearer t0ken"}''.';
-    END IF;
-    IF EXISTS (SELECT FROM jsonb_each_text(NEW.topic_map) AS m(k, v)
-                WHERE v !~ '^[A-Za-z0-9._-]{1,249}$' OR v IN ('.', '..')) THEN
-        RAISE EXCEPTION 'topic_map renames to a name that is not a Kafka topic name'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Kafka topics are 1 to 249 of [A-Za-z0-9._-], not "." or "..".';
-    END IF;
-    PERFORM outbox_internal._check_kafka_settings(NEW);
-    -- the URL of a kafka sink, the secret's key, each header, each CA certificate: as the
-    -- worker will use them (Rust)
-    PERFORM outbox_internal._check_sink_settings(NEW.kind, NEW.url, NEW.secret, NEW.http_headers, NEW.tls_ca);
-    -- topics filter event topics; a name that topic_map only renames to is a Kafka topic
-    FOR topic IN SELECT t FROM unnest(NEW.topics) AS t
-                  WHERE NEW.topic_map IS NOT NULL AND NOT NEW.topic_map ? t
-                    AND t IN (SELECT v FROM jsonb_each_text(NEW.topic_map) AS m(k, v)) LOOP
-        RAISE NOTICE 'sink "%": topics lists "%", a Kafka topic that topic_map renames to; events are matched by their own topic', NEW.name, topic
-            USING HINT = format('List the event topics instead (%s), or drop topic_map.',
-                                (SELECT string_agg(k, ', ') FROM jsonb_each_text(NEW.topic_map) AS m(k, v) WHERE v = topic));
-    END LOOP;
-    IF NEW.kind = 'kafka_rest_v3' AND coalesce(NEW.cluster_id, '') = '' THEN
-        RAISE EXCEPTION 'a kafka_rest_v3 sink needs its cluster_id' USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'Pass cluster_id => ''...''; GET /v3/clusters on the proxy lists it.';
-    END IF;
-    NEW.updated_at := now();
-    RETURN NEW;
-END
-$$;
 INSERT INTO outbox.partition_config (parent, width, ahead, retention) VALUES
     ('outbox.events', '1 day', 2, '2 days'),
     ('inbox.messages', '1 day', 2, '7 days')
@@ -1203,7 +1141,9 @@ $$;
 -- events partition that no open transaction, in any database, began before, a minute back:
 -- every transaction that began before it has ended or is prepared, so its events already have
 -- their seqs, all at most the sequence's value read after. Seals below the oldest partition
--- skip nothing and go (the newest stays).
+-- skip nothing and go (the newest stays). No seal while a restored dump is not yet rebased,
+-- nor while a session does not report its transactions (track_activities off: its
+-- xact_start is hidden).
 CREATE OR REPLACE FUNCTION outbox_internal._seal(parts outbox.partitions[]) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
@@ -1211,7 +1151,11 @@ DECLARE
     before timestamptz := least(now(), (SELECT min(a.xact_start) FROM pg_stat_activity a)) - interval '1 minute';
     bound  timestamptz;
 BEGIN
-    IF now() < (SELECT max(s.upper) FROM outbox._seals s) + interval '1 minute' THEN
+    IF (SELECT o.restore_pending FROM outbox._origin o)
+       OR EXISTS (SELECT FROM pg_stat_activity a WHERE a.state = 'disabled') THEN
+        RETURN;
+    END IF;
+    IF clock_timestamp() < (SELECT max(s.upper) FROM outbox._seals s) + interval '1 minute' THEN
         -- the clock went back: a transaction begun since may make events behind a seal
         DELETE FROM outbox._seals;
         RAISE WARNING 'outbox.maintain: the clock is behind the newest seal of the event log; dropped the seals'
@@ -1392,6 +1336,7 @@ BEGIN
     IF NOT EXISTS (SELECT FROM outbox._origin) THEN
         RETURN NEW;  -- CREATE EXTENSION's own row
     END IF;
+    DELETE FROM outbox._seals;  -- made before the dump's events arrived: not about them
     UPDATE outbox._origin
        SET restore_pending = true, restored_at = now(), restorer = pg_backend_pid(),
            restorer_since = (SELECT a.backend_start FROM pg_stat_activity a WHERE a.pid = pg_backend_pid());
@@ -1438,7 +1383,8 @@ $$;
 
 -- Every cursor: its batch out at dump time (lease, parked heads) comes again, and it reads the
 -- dump's events in the dump's ids, then the rest (see the header). Marks go: their xids are the
--- dump's, and claims make new ones.
+-- dump's, and claims make new ones. Seals go too (one made while the dump loaded knew nothing
+-- of its events); maintain() seals the rebased log.
 CREATE OR REPLACE FUNCTION outbox_internal._rebase() RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
@@ -1467,9 +1413,94 @@ BEGIN
         PERFORM outbox_internal._append(cur);
     END LOOP;
     DELETE FROM outbox._marks;
+    DELETE FROM outbox._seals;
     UPDATE outbox._origin
        SET restore_pending = false, restored_seq = n, restored_top = top, made_in = outbox_internal._here();
     RAISE NOTICE 'outbox_ext: rebased the outbox restored from a dump (events up to seq %, txids below %)', n, top;
+END
+$$;
+
+-- Every check a sink row must pass, with the fix in the hint; also stamps updated_at (the
+-- worker rebuilds a sink's client when it changes). SECURITY DEFINER: it calls internal
+-- helpers that admins cannot execute directly.
+CREATE OR REPLACE FUNCTION outbox_internal._check_sink() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    topic   text;
+    kafka   boolean := NEW.kind = 'kafka';
+    formats text[] := CASE NEW.kind WHEN 'webhook' THEN ARRAY['batch', 'single']
+                                    WHEN 'kafka' THEN ARRAY['outbox', 'debezium']
+                                    WHEN 'kafka_rest_v2' THEN ARRAY['json', 'binary']
+                                    WHEN 'kafka_rest_v3' THEN ARRAY['json', 'binary', 'string'] END;
+BEGIN
+    PERFORM outbox_internal._not_null(NEW.kind IS NULL, 'kind', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.url IS NULL, 'url', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.batch_size IS NULL, 'batch_size', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.concurrency IS NULL, 'concurrency', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.connect_timeout IS NULL, 'connect_timeout', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.request_timeout IS NULL, 'request_timeout', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.enabled IS NULL, 'enabled', 'outbox.sinks');
+    PERFORM outbox_internal._not_null(NEW.linger IS NULL, 'linger', 'outbox.create_sink');
+    IF cardinality(NEW.topics) = 0 OR cardinality(NEW.aggregate_types) = 0
+       OR array_position(NEW.topics, NULL) IS NOT NULL
+       OR array_position(NEW.aggregate_types, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION 'topics and aggregate_types must be NULL (all) or lists of names'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'An empty list or a NULL in one would match nothing: pass NULL for all.';
+    END IF;
+    IF formats IS NULL THEN
+        RAISE EXCEPTION 'unknown sink kind "%"', NEW.kind USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'kind is webhook, kafka, kafka_rest_v2 or kafka_rest_v3.';
+    END IF;
+    NEW.format := coalesce(NEW.format, formats[1]);
+    IF NOT NEW.format = ANY (formats) THEN
+        RAISE EXCEPTION 'format "%" does not fit a % sink', NEW.format, NEW.kind
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = format('Use one of %s, or NULL for %s.', array_to_string(formats, ', '), formats[1]);
+    END IF;
+    IF NOT kafka AND NEW.url !~ '^https?://[^/?#\s]+[^\s]*$' THEN
+        RAISE EXCEPTION 'invalid sink URL "%"', NEW.url USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give an absolute http:// or https:// URL, e.g. https://hooks.example.com/outbox.';
+    END IF;
+    IF NEW.batch_size NOT BETWEEN 1 AND 10000 OR NEW.concurrency NOT BETWEEN 1 AND 64 THEN
+        RAISE EXCEPTION 'batch_size % or concurrency % is out of range', NEW.batch_size, NEW.concurrency
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'batch_size is 1 to 10000; concurrency is 1 to 64.';
+    END IF;
+    IF NOT (NEW.connect_timeout > '0' AND NEW.request_timeout > '0'
+            AND NEW.connect_timeout <= '1 hour' AND NEW.request_timeout <= '1 hour') THEN
+        RAISE EXCEPTION 'timeouts must be positive and at most an hour'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. connect_timeout => ''5 s'', request_timeout => ''30 s''.';
+    END IF;
+    IF NOT outbox_internal._is_string_map(NEW.http_headers) OR NOT outbox_internal._is_string_map(NEW.topic_map) THEN
+        RAISE EXCEPTION 'http_headers and topic_map must be JSON objects of strings'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. ''{"Authorization": "Bearer t0ken"}''.';
+    END IF;
+    IF EXISTS (SELECT FROM jsonb_each_text(NEW.topic_map) AS m(k, v)
+                WHERE v !~ '^[A-Za-z0-9._-]{1,249}$' OR v IN ('.', '..')) THEN
+        RAISE EXCEPTION 'topic_map renames to a name that is not a Kafka topic name'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Kafka topics are 1 to 249 of [A-Za-z0-9._-], not "." or "..".';
+    END IF;
+    PERFORM outbox_internal._check_kafka_settings(NEW);
+    -- the URL of a kafka sink, the secret's key, each header, each CA certificate: as the
+    -- worker will use them (Rust)
+    PERFORM outbox_internal._check_sink_settings(NEW.kind, NEW.url, NEW.secret, NEW.http_headers, NEW.tls_ca);
+    -- topics filter event topics; a name that topic_map only renames to is a Kafka topic
+    FOR topic IN SELECT t FROM unnest(NEW.topics) AS t
+                  WHERE NEW.topic_map IS NOT NULL AND NOT NEW.topic_map ? t
+                    AND t IN (SELECT v FROM jsonb_each_text(NEW.topic_map) AS m(k, v)) LOOP
+        RAISE NOTICE 'sink "%": topics lists "%", a Kafka topic that topic_map renames to; events are matched by their own topic', NEW.name, topic
+            USING HINT = format('List the event topics instead (%s), or drop topic_map.',
+                                (SELECT string_agg(k, ', ') FROM jsonb_each_text(NEW.topic_map) AS m(k, v) WHERE v = topic));
+    END LOOP;
+    IF NEW.kind = 'kafka_rest_v3' AND coalesce(NEW.cluster_id, '') = '' THEN
+        RAISE EXCEPTION 'a kafka_rest_v3 sink needs its cluster_id' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Pass cluster_id => ''...''; GET /v3/clusters on the proxy lists it.';
+    END IF;
+    NEW.updated_at := now();
+    RETURN NEW;
 END
 $$;
 /* </end connected objects> */
@@ -1570,7 +1601,13 @@ BEGIN
     RETURN QUERY SELECT unnest(ids);
 END
 $$;
+GRANT SELECT ON outbox.events, outbox.consumers, outbox.sinks, outbox._sink_stats,
+    outbox.dead_letters, outbox.partition_config, outbox.partitions, outbox.status,
+    outbox.shard_status, outbox._shards, outbox._cursor_log, outbox._parked,
+    outbox._parked_events, outbox._marks, outbox._seals, outbox._origin, inbox.messages
+TO outbox_admin;
 
 -- nothing new is PUBLIC
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox, inbox, outbox_internal FROM PUBLIC;
-REVOKE ALL ON outbox._seals FROM PUBLIC;
+REVOKE ALL ON outbox._seals, outbox_internal.partition_ranges FROM PUBLIC;
+GRANT SELECT ON outbox._seals TO outbox_admin;

@@ -198,7 +198,9 @@ $$;
 -- events partition that no open transaction, in any database, began before, a minute back:
 -- every transaction that began before it has ended or is prepared, so its events already have
 -- their seqs, all at most the sequence's value read after. Seals below the oldest partition
--- skip nothing and go (the newest stays).
+-- skip nothing and go (the newest stays). No seal while a restored dump is not yet rebased,
+-- nor while a session does not report its transactions (track_activities off: its
+-- xact_start is hidden).
 CREATE OR REPLACE FUNCTION outbox_internal._seal(parts outbox.partitions[]) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
@@ -206,7 +208,11 @@ DECLARE
     before timestamptz := least(now(), (SELECT min(a.xact_start) FROM pg_stat_activity a)) - interval '1 minute';
     bound  timestamptz;
 BEGIN
-    IF now() < (SELECT max(s.upper) FROM outbox._seals s) + interval '1 minute' THEN
+    IF (SELECT o.restore_pending FROM outbox._origin o)
+       OR EXISTS (SELECT FROM pg_stat_activity a WHERE a.state = 'disabled') THEN
+        RETURN;
+    END IF;
+    IF clock_timestamp() < (SELECT max(s.upper) FROM outbox._seals s) + interval '1 minute' THEN
         -- the clock went back: a transaction begun since may make events behind a seal
         DELETE FROM outbox._seals;
         RAISE WARNING 'outbox.maintain: the clock is behind the newest seal of the event log; dropped the seals'

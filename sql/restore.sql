@@ -56,6 +56,7 @@ BEGIN
     IF NOT EXISTS (SELECT FROM outbox._origin) THEN
         RETURN NEW;  -- CREATE EXTENSION's own row
     END IF;
+    DELETE FROM outbox._seals;  -- made before the dump's events arrived: not about them
     UPDATE outbox._origin
        SET restore_pending = true, restored_at = now(), restorer = pg_backend_pid(),
            restorer_since = (SELECT a.backend_start FROM pg_stat_activity a WHERE a.pid = pg_backend_pid());
@@ -115,7 +116,8 @@ CREATE OR REPLACE FUNCTION outbox_internal._restore_running() RETURNS boolean
 
 -- Every cursor: its batch out at dump time (lease, parked heads) comes again, and it reads the
 -- dump's events in the dump's ids, then the rest (see the header). Marks go: their xids are the
--- dump's, and claims make new ones.
+-- dump's, and claims make new ones. Seals go too (one made while the dump loaded knew nothing
+-- of its events); maintain() seals the rebased log.
 CREATE OR REPLACE FUNCTION outbox_internal._rebase() RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
@@ -144,6 +146,7 @@ BEGIN
         PERFORM outbox_internal._append(cur);
     END LOOP;
     DELETE FROM outbox._marks;
+    DELETE FROM outbox._seals;
     UPDATE outbox._origin
        SET restore_pending = false, restored_seq = n, restored_top = top, made_in = outbox_internal._here();
     RAISE NOTICE 'outbox_ext: rebased the outbox restored from a dump (events up to seq %, txids below %)', n, top;

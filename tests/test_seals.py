@@ -120,3 +120,22 @@ def test_a_clock_gone_back_behind_a_seal_drops_the_seals(db):
     assert any("dropped the seals" in n for n in notices), notices
     assert db.execute("SELECT count(*) FROM outbox._seals").fetchone()[0] == 0
     assert [e.aggregate_id for e in relay.drain()] == ["k"]  # the one emitted after the seal
+
+
+def test_a_restore_drops_the_seals_and_none_is_made_until_it_is_rebased(db, connect):
+    """A seal made while a dump loaded (after its partitions, before its rows) knew nothing of
+    the dump's events: a restore drops the seals, and none is made before the rebase."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    make_old_partitions(db)
+    read_past_everything(db, Relay(db, "c"))
+    seals = "SELECT count(*) FROM outbox._seals"
+    assert db.execute(seals).fetchone()[0] == 1
+    restorer = connect()
+    restorer.execute("INSERT INTO outbox._origin (made_in) VALUES ('another cluster/1')")  # the dump's row
+    assert db.execute(seals).fetchone()[0] == 0
+    db.execute("SELECT outbox_internal._seal(outbox_internal._partition_list())")
+    assert db.execute(seals).fetchone()[0] == 0, "no seal before the rebase"
+    restorer.close()
+    db.execute("SELECT * FROM outbox.maintain()")   # rebases, then seals
+    assert db.execute("SELECT restore_pending FROM outbox._origin").fetchone()[0] is False
+    assert db.execute(seals).fetchone()[0] == 1, "the rebased log is sealed again"
