@@ -785,6 +785,7 @@ DECLARE
     cur    outbox._cursor_log;
     next   outbox._cursor_log;
     fresh  boolean;
+    stale  boolean;
     since  timestamptz;
     got    bigint := 0;
 BEGIN
@@ -792,6 +793,7 @@ BEGIN
         free := outbox_internal._free_cursor(c.id, (start + i) % n);
         CONTINUE WHEN free.cur IS NULL;
         cur := free.cur;
+        stale := cur.hi_snap IS NOT NULL;  -- a window open, perhaps read to its end already
         IF free.parked THEN
             RETURN QUERY SELECT * FROM outbox_internal._claim_parked(c, cur, batch_size, lease, owner, seq_mark, x);
             GET DIAGNOSTICS got = ROW_COUNT;
@@ -815,10 +817,12 @@ BEGIN
             EXIT WHEN got > 0;
             IF fresh THEN
                 -- nothing new since the last window: record the empty window as read when
-                -- that raises the floor, so the next claim's probe starts above it, or when
-                -- the shard was read for a seal (once per seal)
+                -- that raises the floor, so the next claim's probe starts above it; when the
+                -- claim began in a window that held nothing more (else every poll would read
+                -- it to its end again, and _may_have_work would never say no); or when the
+                -- shard was read for a seal (once per seal)
                 next := outbox_internal._advance(cur, NULL, true);
-                IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur)
+                IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) OR stale
                    OR outbox_internal._behind_a_seal(cur, outbox_internal._newest_seal()) THEN
                     PERFORM outbox_internal._append(next);
                 END IF;

@@ -439,6 +439,7 @@ DECLARE
     cur    outbox._cursor_log;
     next   outbox._cursor_log;
     fresh  boolean;
+    stale  boolean;
     since  timestamptz;
     got    bigint := 0;
 BEGIN
@@ -446,6 +447,7 @@ BEGIN
         free := outbox_internal._free_cursor(c.id, (start + i) % n);
         CONTINUE WHEN free.cur IS NULL;
         cur := free.cur;
+        stale := cur.hi_snap IS NOT NULL;  -- a window open, perhaps read to its end already
         IF free.parked THEN
             RETURN QUERY SELECT * FROM outbox_internal._claim_parked(c, cur, batch_size, lease, owner, seq_mark, x);
             GET DIAGNOSTICS got = ROW_COUNT;
@@ -469,10 +471,12 @@ BEGIN
             EXIT WHEN got > 0;
             IF fresh THEN
                 -- nothing new since the last window: record the empty window as read when
-                -- that raises the floor, so the next claim's probe starts above it, or when
-                -- the shard was read for a seal (once per seal)
+                -- that raises the floor, so the next claim's probe starts above it; when the
+                -- claim began in a window that held nothing more (else every poll would read
+                -- it to its end again, and _may_have_work would never say no); or when the
+                -- shard was read for a seal (once per seal)
                 next := outbox_internal._advance(cur, NULL, true);
-                IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur)
+                IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) OR stale
                    OR outbox_internal._behind_a_seal(cur, outbox_internal._newest_seal()) THEN
                     PERFORM outbox_internal._append(next);
                 END IF;
@@ -1026,6 +1030,90 @@ BEGIN
     RETURN n;
 END
 $$;
+
+-- Every check a sink row must pass, with the fix in the hint; also stamps updated_at (the
+-- worker rebuilds a sink's client when it changes). SECURITY DEFINER: it calls internal
+-- helpers that admins cannot execute directly.
+CREATE OR REPLACE FUNCTION outbox_internal._check_sink() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    topic   text;
+    kafka   boolean := NEW.kind = 'kafka';
+    formats text[] := CASE NEW.kind WHEN 'webhook' THEN ARRAY['batch', 'single']
+                                    WHEN 'kafka' THEN ARRAY['outbox', 'debezium']
+                                    WHEN 'kafka_rest_v2' THEN ARRAY['json', 'binary']
+                                    WHEN 'kafka_rest_v3' THEN ARRAY['json', 'binary', 'string'] END;
+BEGIN
+    PERFORM outbox_internal._not_null(NEW.kind IS NULL, 'kind', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.url IS NULL, 'url', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.batch_size IS NULL, 'batch_size', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.concurrency IS NULL, 'concurrency', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.connect_timeout IS NULL, 'connect_timeout', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.request_timeout IS NULL, 'request_timeout', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.enabled IS NULL, 'enabled', 'outbox.sinks');
+    PERFORM outbox_internal._not_null(NEW.linger IS NULL, 'linger', 'outbox.create_sink');
+    IF cardinality(NEW.topics) = 0 OR cardinality(NEW.aggregate_types) = 0
+       OR array_position(NEW.topics, NULL) IS NOT NULL
+       OR array_position(NEW.aggregate_types, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION 'topics and aggregate_types must be NULL (all) or lists of names'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'An empty list or a NULL in one would match nothing: pass NULL for all.';
+    END IF;
+    IF formats IS NULL THEN
+        RAISE EXCEPTION 'unknown sink kind "%"', NEW.kind USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'kind is webhook, kafka, kafka_rest_v2 or kafka_rest_v3.';
+    END IF;
+    NEW.format := coalesce(NEW.format, formats[1]);
+    IF NOT NEW.format = ANY (formats) THEN
+        RAISE EXCEPTION 'format "%" does not fit a % sink', NEW.format, NEW.kind
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = format('Use one of %s, or NULL for %s.', array_to_string(formats, ', '), formats[1]);
+    END IF;
+    IF NOT kafka AND NEW.url !~ '^https?://[^/?#\s]+[^\s]*$' THEN
+        RAISE EXCEPTION 'invalid sink URL "%"', NEW.url USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give an absolute http:// or https:// URL, e.g. https://hooks.example.com/outbox.';
+    END IF;
+    IF NEW.batch_size NOT BETWEEN 1 AND 10000 OR NEW.concurrency NOT BETWEEN 1 AND 64 THEN
+        RAISE EXCEPTION 'batch_size % or concurrency % is out of range', NEW.batch_size, NEW.concurrency
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'batch_size is 1 to 10000; concurrency is 1 to 64.';
+    END IF;
+    IF NOT (NEW.connect_timeout > '0' AND NEW.request_timeout > '0'
+            AND NEW.connect_timeout <= '1 hour' AND NEW.request_timeout <= '1 hour') THEN
+        RAISE EXCEPTION 'timeouts must be positive and at most an hour'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. connect_timeout => ''5 s'', request_timeout => ''30 s''.';
+    END IF;
+    IF NOT outbox_internal._is_string_map(NEW.http_headers) OR NOT outbox_internal._is_string_map(NEW.topic_map) THEN
+        RAISE EXCEPTION 'http_headers and topic_map must be JSON objects of strings'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. ''{"Authorization": "Bearer t0ken"}''.';
+    END IF;
+    IF EXISTS (SELECT FROM jsonb_each_text(NEW.topic_map) AS m(k, v)
+                WHERE v !~ '^[A-Za-z0-9._-]{1,249}$' OR v IN ('.', '..')) THEN
+        RAISE EXCEPTION 'topic_map renames to a name that is not a Kafka topic name'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Kafka topics are 1 to 249 of [A-Za-z0-9._-], not "." or "..".';
+    END IF;
+    PERFORM outbox_internal._check_kafka_settings(NEW);
+    -- the URL of a kafka sink, the secret's key, each header, each CA certificate: as the
+    -- worker will use them (Rust)
+    PERFORM outbox_internal._check_sink_settings(NEW.kind, NEW.url, NEW.secret, NEW.http_headers, NEW.tls_ca);
+    -- topics filter event topics; a name that topic_map only renames to is a Kafka topic
+    FOR topic IN SELECT t FROM unnest(NEW.topics) AS t
+                  WHERE NEW.topic_map IS NOT NULL AND NOT NEW.topic_map ? t
+                    AND t IN (SELECT v FROM jsonb_each_text(NEW.topic_map) AS m(k, v)) LOOP
+        RAISE NOTICE 'sink "%": topics lists "%", a Kafka topic that topic_map renames to; events are matched by their own topic', NEW.name, topic
+            USING HINT = format('List the event topics instead (%s), or drop topic_map.',
+                                (SELECT string_agg(k, ', ') FROM jsonb_each_text(NEW.topic_map) AS m(k, v) WHERE v = topic));
+    END LOOP;
+    IF NEW.kind = 'kafka_rest_v3' AND coalesce(NEW.cluster_id, '') = '' THEN
+        RAISE EXCEPTION 'a kafka_rest_v3 sink needs its cluster_id' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Pass cluster_id => ''...''; GET /v3/clusters on the proxy lists it.';
+    END IF;
+    NEW.updated_at := now();
+    RETURN NEW;
+END
+$$;
 INSERT INTO outbox.partition_config (parent, width, ahead, retention) VALUES
     ('outbox.events', '1 day', 2, '2 days'),
     ('inbox.messages', '1 day', 2, '7 days')
@@ -1419,90 +1507,6 @@ BEGIN
     RAISE NOTICE 'outbox_ext: rebased the outbox restored from a dump (events up to seq %, txids below %)', n, top;
 END
 $$;
-
--- Every check a sink row must pass, with the fix in the hint; also stamps updated_at (the
--- worker rebuilds a sink's client when it changes). SECURITY DEFINER: it calls internal
--- helpers that admins cannot execute directly.
-CREATE OR REPLACE FUNCTION outbox_internal._check_sink() RETURNS trigger
-    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    topic   text;
-    kafka   boolean := NEW.kind = 'kafka';
-    formats text[] := CASE NEW.kind WHEN 'webhook' THEN ARRAY['batch', 'single']
-                                    WHEN 'kafka' THEN ARRAY['outbox', 'debezium']
-                                    WHEN 'kafka_rest_v2' THEN ARRAY['json', 'binary']
-                                    WHEN 'kafka_rest_v3' THEN ARRAY['json', 'binary', 'string'] END;
-BEGIN
-    PERFORM outbox_internal._not_null(NEW.kind IS NULL, 'kind', 'outbox.create_sink');
-    PERFORM outbox_internal._not_null(NEW.url IS NULL, 'url', 'outbox.create_sink');
-    PERFORM outbox_internal._not_null(NEW.batch_size IS NULL, 'batch_size', 'outbox.create_sink');
-    PERFORM outbox_internal._not_null(NEW.concurrency IS NULL, 'concurrency', 'outbox.create_sink');
-    PERFORM outbox_internal._not_null(NEW.connect_timeout IS NULL, 'connect_timeout', 'outbox.create_sink');
-    PERFORM outbox_internal._not_null(NEW.request_timeout IS NULL, 'request_timeout', 'outbox.create_sink');
-    PERFORM outbox_internal._not_null(NEW.enabled IS NULL, 'enabled', 'outbox.sinks');
-    PERFORM outbox_internal._not_null(NEW.linger IS NULL, 'linger', 'outbox.create_sink');
-    IF cardinality(NEW.topics) = 0 OR cardinality(NEW.aggregate_types) = 0
-       OR array_position(NEW.topics, NULL) IS NOT NULL
-       OR array_position(NEW.aggregate_types, NULL) IS NOT NULL THEN
-        RAISE EXCEPTION 'topics and aggregate_types must be NULL (all) or lists of names'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'An empty list or a NULL in one would match nothing: pass NULL for all.';
-    END IF;
-    IF formats IS NULL THEN
-        RAISE EXCEPTION 'unknown sink kind "%"', NEW.kind USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'kind is webhook, kafka, kafka_rest_v2 or kafka_rest_v3.';
-    END IF;
-    NEW.format := coalesce(NEW.format, formats[1]);
-    IF NOT NEW.format = ANY (formats) THEN
-        RAISE EXCEPTION 'format "%" does not fit a % sink', NEW.format, NEW.kind
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = format('Use one of %s, or NULL for %s.', array_to_string(formats, ', '), formats[1]);
-    END IF;
-    IF NOT kafka AND NEW.url !~ '^https?://[^/?#\s]+[^\s]*$' THEN
-        RAISE EXCEPTION 'invalid sink URL "%"', NEW.url USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'Give an absolute http:// or https:// URL, e.g. https://hooks.example.com/outbox.';
-    END IF;
-    IF NEW.batch_size NOT BETWEEN 1 AND 10000 OR NEW.concurrency NOT BETWEEN 1 AND 64 THEN
-        RAISE EXCEPTION 'batch_size % or concurrency % is out of range', NEW.batch_size, NEW.concurrency
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'batch_size is 1 to 10000; concurrency is 1 to 64.';
-    END IF;
-    IF NOT (NEW.connect_timeout > '0' AND NEW.request_timeout > '0'
-            AND NEW.connect_timeout <= '1 hour' AND NEW.request_timeout <= '1 hour') THEN
-        RAISE EXCEPTION 'timeouts must be positive and at most an hour'
-            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. connect_timeout => ''5 s'', request_timeout => ''30 s''.';
-    END IF;
-    IF NOT outbox_internal._is_string_map(NEW.http_headers) OR NOT outbox_internal._is_string_map(NEW.topic_map) THEN
-        RAISE EXCEPTION 'http_headers and topic_map must be JSON objects of strings'
-            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. ''{"Authorization": "Bearer t0ken"}''.';
-    END IF;
-    IF EXISTS (SELECT FROM jsonb_each_text(NEW.topic_map) AS m(k, v)
-                WHERE v !~ '^[A-Za-z0-9._-]{1,249}$' OR v IN ('.', '..')) THEN
-        RAISE EXCEPTION 'topic_map renames to a name that is not a Kafka topic name'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Kafka topics are 1 to 249 of [A-Za-z0-9._-], not "." or "..".';
-    END IF;
-    PERFORM outbox_internal._check_kafka_settings(NEW);
-    -- the URL of a kafka sink, the secret's key, each header, each CA certificate: as the
-    -- worker will use them (Rust)
-    PERFORM outbox_internal._check_sink_settings(NEW.kind, NEW.url, NEW.secret, NEW.http_headers, NEW.tls_ca);
-    -- topics filter event topics; a name that topic_map only renames to is a Kafka topic
-    FOR topic IN SELECT t FROM unnest(NEW.topics) AS t
-                  WHERE NEW.topic_map IS NOT NULL AND NOT NEW.topic_map ? t
-                    AND t IN (SELECT v FROM jsonb_each_text(NEW.topic_map) AS m(k, v)) LOOP
-        RAISE NOTICE 'sink "%": topics lists "%", a Kafka topic that topic_map renames to; events are matched by their own topic', NEW.name, topic
-            USING HINT = format('List the event topics instead (%s), or drop topic_map.',
-                                (SELECT string_agg(k, ', ') FROM jsonb_each_text(NEW.topic_map) AS m(k, v) WHERE v = topic));
-    END LOOP;
-    IF NEW.kind = 'kafka_rest_v3' AND coalesce(NEW.cluster_id, '') = '' THEN
-        RAISE EXCEPTION 'a kafka_rest_v3 sink needs its cluster_id' USING ERRCODE = 'invalid_parameter_value',
-            HINT = 'Pass cluster_id => ''...''; GET /v3/clusters on the proxy lists it.';
-    END IF;
-    NEW.updated_at := now();
-    RETURN NEW;
-END
-$$;
 /* </end connected objects> */
 
 /* <begin connected objects> */
@@ -1550,11 +1554,6 @@ BEGIN
     END IF;
 END
 $$;
--- Not marked: outbox._marks (floors for transactions in progress, in the dumped cluster's
--- transaction ids: meaningless after a restore, and claims make new ones).
--- Not marked: outbox._seals (what this cluster's maintain() saw of open transactions; the
--- restoring cluster's maintain() seals the restored log anew, claims read every partition
--- until then).
 /* </end connected objects> */
 
 /* <begin connected objects> */
