@@ -12,6 +12,12 @@
 -- not a regexp), which maintain() and outbox.partitions read; and the partitions ahead are
 -- found against one multirange of what exists, not a scan of the partitions per range.
 --
+-- Claims, settles and status read every partition: maintain() now seals the log's past
+-- (outbox._seals, sql/claim.sql), and the reads of a cursor past a seal skip the partitions
+-- behind it; _window takes the bound as an argument (the old form is dropped). A claim that
+-- starts in a window read to its end records the empty window after it, so that an idle
+-- consumer's polls stop reading it again.
+--
 -- A delta: what changed from 0.9.0 to 0.10.0, rerunnable. Released: never edit it.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.10.0'" to load this file. \quit
 
@@ -42,7 +48,23 @@ $move$;
 -- Internal helpers: usable by no role (sql/grants.sql), called only by the API's functions and
 -- views, so that \df outbox.* lists the API alone.
 CREATE SCHEMA IF NOT EXISTS outbox_internal;
+/* </end connected objects> */
 
+/* <begin connected objects> */
+-- src/sinks/check.rs:59
+-- outbox_ext::sinks::check::check_sink_settings
+-- Skipped due to `#[pgrx(sql = false)]`
+/* </end connected objects> */
+
+/* <begin connected objects> */
+-- src/emit/mod.rs:71
+-- outbox_ext::emit::event_id
+-- Skipped due to `#[pgrx(sql = false)]`
+/* </end connected objects> */
+
+/* <begin connected objects> */
+-- src/roles.rs:13
+CREATE SCHEMA IF NOT EXISTS outbox_internal; 
 -- Seals: what outbox.maintain() learned of the log's past. Every event made before upper (by a
 -- transaction that began before it; emit's created_at is that start) has a seq of at most
 -- max_seq. So a read of the events above a seq may add "created_at >= the newest seal's upper
@@ -1161,6 +1183,7 @@ DECLARE
     rel   text;
     part  text;
     dflt  regclass;
+    old_timeout text := current_setting('lock_timeout');
 BEGIN
     SELECT greatest(lo_at, max(p.upper)) INTO lo_at FROM outbox_internal.partition_ranges p
      WHERE p.parent = _create_partition.parent AND NOT p.is_default AND p.upper > lo_at AND p.lower <= lo_at;
@@ -1168,6 +1191,20 @@ BEGIN
      WHERE p.parent = _create_partition.parent AND NOT p.is_default AND p.lower >= lo_at AND p.lower < hi_at;
     IF lo_at >= hi_at THEN
         RETURN NULL;
+    END IF;
+    IF lo_at <= clock_timestamp() + interval '1 minute' THEN
+        -- A range writers may be writing to now: hold them off until the partition is attached.
+        -- A row routed to the default partition just before the ATTACH would fail on the
+        -- default's narrowed constraint, which PostgreSQL checks after waiting for its lock
+        -- (an emit racing the first maintain() after CREATE EXTENSION). At most a second's
+        -- wait for transactions that wrote there; the next run tries again.
+        BEGIN
+            PERFORM set_config('lock_timeout', '1s', true);
+            EXECUTE format('LOCK TABLE %s IN SHARE ROW EXCLUSIVE MODE', parent);
+            PERFORM set_config('lock_timeout', old_timeout, true);
+        EXCEPTION WHEN lock_not_available THEN
+            RETURN NULL;
+        END;
     END IF;
     SELECT n.nspname, c.relname INTO nsp, rel
       FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = parent;
@@ -1415,6 +1452,53 @@ BEGIN
      WHERE m.at < now() - interval '1 hour' AND m.top < (SELECT max(k.top) FROM outbox._marks k);
 END
 $$;
+/* </end connected objects> */
+
+/* <begin connected objects> */
+-- src/status.rs:5
+-- requires:
+--   claim
+--   partitions
+--   sinks
+
+-- outbox_ext: what is left to deliver, per consumer and per shard, and why.
+--
+-- What is pending is outbox_internal._pending's answer (sql/claim.sql), for the events above
+-- outbox_internal._pending_floor, which bounds the index scan. A view of it costs O(consumers x shards),
+-- however many events the log holds: each shard's pending events are counted exactly up to
+-- 1,000 and extrapolated beyond (outbox_internal._shard_pending).
+--
+-- Name resolution (sql/grants.sql): both views are [parsed] and run as their owner;
+-- _shard_pending is [pinned] (the views call it as whoever reads them).
+
+-- A consumer's pending events in one shard (for a sink, those its routing delivers), read in
+-- seq order from the cursor's floor: counted up to cap; when there are more, the rest is
+-- estimated from their density in seq over the seq range still ahead. oldest: the oldest
+-- pending event's created_at (of the first cap, which start at the oldest seq).
+CREATE OR REPLACE FUNCTION outbox_internal._shard_pending(cur outbox._cursor_log, sink outbox.sinks,
+                                                 OUT events bigint, OUT oldest timestamptz)
+    LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    cap       constant int := 1000;
+    floor_seq bigint := outbox_internal._pending_floor(cur);
+    since     timestamptz := outbox_internal._since(floor_seq);
+    first_seq bigint;
+    last_seq  bigint;
+BEGIN
+    SELECT count(*), min(p.created_at), min(p.seq), max(p.seq) INTO events, oldest, first_seq, last_seq
+      FROM (SELECT e.created_at, e.seq FROM outbox.events e
+             WHERE e.shard = cur.shard AND e.seq > floor_seq AND e.created_at >= since
+               AND outbox_internal._pending(cur, e.txid, e.seq)
+               AND (sink.name IS NULL OR outbox_internal._routes(sink, e.topic, e.aggregate_type))
+             ORDER BY e.seq LIMIT cap) AS p;
+    IF events = cap THEN
+        events := events + (coalesce(pg_sequence_last_value('outbox.event_seq'), last_seq) - last_seq)
+                           * cap / greatest(last_seq - first_seq + 1, cap);
+    END IF;
+END
+$$;
 
 -- The dump's row arriving over ours: a restore.
 CREATE OR REPLACE FUNCTION outbox_internal._restored() RETURNS trigger
@@ -1507,58 +1591,7 @@ BEGIN
     RAISE NOTICE 'outbox_ext: rebased the outbox restored from a dump (events up to seq %, txids below %)', n, top;
 END
 $$;
-/* </end connected objects> */
 
-/* <begin connected objects> */
--- src/status.rs:5
--- requires:
---   claim
---   partitions
---   sinks
-
--- outbox_ext: what is left to deliver, per consumer and per shard, and why.
---
--- What is pending is outbox_internal._pending's answer (sql/claim.sql), for the events above
--- outbox_internal._pending_floor, which bounds the index scan. A view of it costs O(consumers x shards),
--- however many events the log holds: each shard's pending events are counted exactly up to
--- 1,000 and extrapolated beyond (outbox_internal._shard_pending).
---
--- Name resolution (sql/grants.sql): both views are [parsed] and run as their owner;
--- _shard_pending is [pinned] (the views call it as whoever reads them).
-
--- A consumer's pending events in one shard (for a sink, those its routing delivers), read in
--- seq order from the cursor's floor: counted up to cap; when there are more, the rest is
--- estimated from their density in seq over the seq range still ahead. oldest: the oldest
--- pending event's created_at (of the first cap, which start at the oldest seq).
-CREATE OR REPLACE FUNCTION outbox_internal._shard_pending(cur outbox._cursor_log, sink outbox.sinks,
-                                                 OUT events bigint, OUT oldest timestamptz)
-    LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
-AS $$
-DECLARE
-    cap       constant int := 1000;
-    floor_seq bigint := outbox_internal._pending_floor(cur);
-    since     timestamptz := outbox_internal._since(floor_seq);
-    first_seq bigint;
-    last_seq  bigint;
-BEGIN
-    SELECT count(*), min(p.created_at), min(p.seq), max(p.seq) INTO events, oldest, first_seq, last_seq
-      FROM (SELECT e.created_at, e.seq FROM outbox.events e
-             WHERE e.shard = cur.shard AND e.seq > floor_seq AND e.created_at >= since
-               AND outbox_internal._pending(cur, e.txid, e.seq)
-               AND (sink.name IS NULL OR outbox_internal._routes(sink, e.topic, e.aggregate_type))
-             ORDER BY e.seq LIMIT cap) AS p;
-    IF events = cap THEN
-        events := events + (coalesce(pg_sequence_last_value('outbox.event_seq'), last_seq) - last_seq)
-                           * cap / greatest(last_seq - first_seq + 1, cap);
-    END IF;
-END
-$$;
-/* </end connected objects> */
-
-/* <begin connected objects> */
--- src/roles.rs:13
-CREATE SCHEMA IF NOT EXISTS outbox_internal; 
 CREATE OR REPLACE FUNCTION outbox.emit_many(
     aggregate_type text,
     event_type     text,

@@ -130,6 +130,7 @@ DECLARE
     rel   text;
     part  text;
     dflt  regclass;
+    old_timeout text := current_setting('lock_timeout');
 BEGIN
     SELECT greatest(lo_at, max(p.upper)) INTO lo_at FROM outbox_internal.partition_ranges p
      WHERE p.parent = _create_partition.parent AND NOT p.is_default AND p.upper > lo_at AND p.lower <= lo_at;
@@ -137,6 +138,20 @@ BEGIN
      WHERE p.parent = _create_partition.parent AND NOT p.is_default AND p.lower >= lo_at AND p.lower < hi_at;
     IF lo_at >= hi_at THEN
         RETURN NULL;
+    END IF;
+    IF lo_at <= clock_timestamp() + interval '1 minute' THEN
+        -- A range writers may be writing to now: hold them off until the partition is attached.
+        -- A row routed to the default partition just before the ATTACH would fail on the
+        -- default's narrowed constraint, which PostgreSQL checks after waiting for its lock
+        -- (an emit racing the first maintain() after CREATE EXTENSION). At most a second's
+        -- wait for transactions that wrote there; the next run tries again.
+        BEGIN
+            PERFORM set_config('lock_timeout', '1s', true);
+            EXECUTE format('LOCK TABLE %s IN SHARE ROW EXCLUSIVE MODE', parent);
+            PERFORM set_config('lock_timeout', old_timeout, true);
+        EXCEPTION WHEN lock_not_available THEN
+            RETURN NULL;
+        END;
     END IF;
     SELECT n.nspname, c.relname INTO nsp, rel
       FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = parent;

@@ -8,6 +8,7 @@ import time
 from datetime import timedelta
 
 from relay import Relay
+from sinks import wait_for
 
 OLD = 30  # hourly partitions before today's
 
@@ -135,7 +136,9 @@ def test_a_restore_drops_the_seals_and_none_is_made_until_it_is_rebased(db, conn
     assert db.execute(seals).fetchone()[0] == 0
     db.execute("SELECT outbox_internal._seal(outbox_internal._partition_list())")
     assert db.execute(seals).fetchone()[0] == 0, "no seal before the rebase"
-    restorer.close()
+    pid = restorer.execute("SELECT pg_backend_pid()").fetchone()[0]
+    restorer.close()   # the restore is over once its backend is gone (outbox_internal._restore_running)
+    wait_for(lambda: not db.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0])
     db.execute("SELECT * FROM outbox.maintain()")   # rebases, then seals
     assert db.execute("SELECT restore_pending FROM outbox._origin").fetchone()[0] is False
     assert db.execute(seals).fetchone()[0] == 1, "the rebased log is sealed again"
