@@ -87,8 +87,12 @@ class _Server:
 
             def do_POST(self):
                 length = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(length)
+                if len(body) < length:      # the sender died mid-request: nothing was delivered
+                    self.close_connection = True
+                    return
                 request = Request(self.path, {k.lower(): v for k, v in self.headers.items()},
-                                  self.rfile.read(length), time.time())
+                                  body, time.time())
                 status, headers, body = outer.handle(request)
                 if status is None:          # drop the connection without an answer
                     self.close_connection = True
