@@ -364,7 +364,7 @@ BEGIN
     late := outbox_internal._late(cur);
     cur.late_from := NULL; cur.late_to := NULL;
     IF cardinality(late.txids) > 0 THEN
-        since := outbox_internal._since(late.floor_seq);
+        since := outbox_internal._since(late.floor_seq, outbox_internal._newest_seal());
         -- One pass over the range per transaction (there are few), txid = t checked on the
         -- index entries: only their events' rows are visited. (txid = ANY (array) is checked
         -- on the heap rows instead, and a min/max plan would walk the range twice.)
@@ -477,15 +477,18 @@ BEGIN
 END
 $$;
 
--- The earliest created_at an event with a greater seq can have ('-infinity' when no seal says).
--- Seals are made a minute behind the clock: a clock now behind that went back, and until
--- maintain() has dropped the seals (sql/partitions.sql) none is trusted.
-CREATE OR REPLACE FUNCTION outbox_internal._since(seq bigint) RETURNS timestamptz
+-- The earliest created_at an event with a greater seq can have ('-infinity' when no seal says),
+-- given the newest seal (_newest_seal, read once by the caller). Seals are made a minute behind
+-- the clock: a clock now behind that went back, and until maintain() has dropped the seals
+-- (sql/partitions.sql) none is trusted. A seq at or past the newest seal's needs no lookup.
+CREATE OR REPLACE FUNCTION outbox_internal._since(seq bigint, newest outbox._seals) RETURNS timestamptz
     LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
-    IF now() < (outbox_internal._newest_seal()).upper + interval '1 minute' THEN
+    IF now() < newest.upper + interval '1 minute' THEN
         RETURN '-infinity';
+    ELSIF seq >= newest.max_seq THEN
+        RETURN newest.upper;
     END IF;
     RETURN coalesce((SELECT s.upper FROM outbox._seals s WHERE s.max_seq <= _since.seq
                       ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1), '-infinity');
@@ -509,11 +512,12 @@ $$;
 -- The earliest created_at of the events _window can read for the cursor: its since argument.
 -- Callers pass it as a value (a PL/pgSQL variable): a value prunes partitions before they are
 -- opened, where an expression would be evaluated again for every row.
-CREATE OR REPLACE FUNCTION outbox_internal._window_since(cur outbox._cursor_log) RETURNS timestamptz
+CREATE OR REPLACE FUNCTION outbox_internal._window_since(cur outbox._cursor_log, newest outbox._seals)
+RETURNS timestamptz
     LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
-    RETURN outbox_internal._since(least(greatest(cur.after_seq, cur.lo_seq), cur.late_from - 1));
+    RETURN outbox_internal._since(least(greatest(cur.after_seq, cur.lo_seq), cur.late_from - 1), newest);
 END
 $$;
 
@@ -684,7 +688,7 @@ $$;
 -- a window open, or an event above its floor (one index probe; no window is opened for
 -- nothing), or a floor behind the newest seal (an empty window read once moves it past).
 -- Otherwise no cursor.
-CREATE OR REPLACE FUNCTION outbox_internal._free_cursor(consumer_id int, shard int,
+CREATE OR REPLACE FUNCTION outbox_internal._free_cursor(consumer_id int, shard int, newest outbox._seals,
                                                OUT cur outbox._cursor_log, OUT parked boolean)
     LANGUAGE plpgsql VOLATILE
 AS $$
@@ -707,10 +711,10 @@ BEGIN
                        WHERE p.consumer_id = _free_cursor.consumer_id AND p.shard = _free_cursor.shard);
     IF NOT parked AND cur.hi_snap IS NULL AND cur.restored_seq IS NULL THEN
         floor_seq := outbox_internal._pending_floor(cur);  -- a value: the probe's index bound
-        since := outbox_internal._since(floor_seq);
+        since := outbox_internal._since(floor_seq, newest);
         IF NOT EXISTS (SELECT FROM outbox.events e
                         WHERE e.shard = _free_cursor.shard AND e.seq > floor_seq AND e.created_at >= since)
-           AND NOT outbox_internal._behind_a_seal(cur, outbox_internal._newest_seal()) THEN
+           AND NOT outbox_internal._behind_a_seal(cur, newest) THEN
             cur := NULL;
         END IF;
     END IF;
@@ -741,7 +745,7 @@ BEGIN
         RETURN true;
     END IF;
     -- one value for every shard (the lowest floor's): partitions pruned before they are opened
-    since := outbox_internal._since((SELECT min(outbox_internal._pending_floor(c)) FROM unnest(curs) c));
+    since := outbox_internal._since((SELECT min(outbox_internal._pending_floor(c)) FROM unnest(curs) c), newest);
     RETURN EXISTS (
         SELECT FROM unnest(curs) AS c
          WHERE EXISTS (SELECT FROM outbox._parked p
@@ -781,6 +785,7 @@ AS $$
 DECLARE
     n      int := outbox.shard_count();
     start  int := floor(random() * n)::int;
+    newest outbox._seals := outbox_internal._newest_seal();  -- read once: see _since
     free   record;
     cur    outbox._cursor_log;
     next   outbox._cursor_log;
@@ -790,7 +795,7 @@ DECLARE
     got    bigint := 0;
 BEGIN
     FOR i IN 0 .. n - 1 LOOP
-        free := outbox_internal._free_cursor(c.id, (start + i) % n);
+        free := outbox_internal._free_cursor(c.id, (start + i) % n, newest);
         CONTINUE WHEN free.cur IS NULL;
         cur := free.cur;
         stale := cur.hi_snap IS NOT NULL;  -- a window open, perhaps read to its end already
@@ -802,7 +807,7 @@ BEGIN
             IF cur.hi_snap IS NULL THEN
                 cur := outbox_internal._open_window(cur, seq_mark, x);
             END IF;
-            since := outbox_internal._window_since(cur);
+            since := outbox_internal._window_since(cur, newest);
             RETURN QUERY
             WITH page AS MATERIALIZED (SELECT * FROM outbox_internal._window(cur.shard, cur, NULL, batch_size, since)),
                  written AS MATERIALIZED (
@@ -811,7 +816,8 @@ BEGIN
                        FROM page p HAVING count(*) > 0)
             SELECT cur.shard, cur.epoch + 1, p.id, p.topic, p.aggregate_type, p.aggregate_id,
                    p.event_type, p.payload, p.headers, p.created_at, p.seq, 1
-              FROM page p CROSS JOIN (SELECT count(*) FROM written) AS w  -- w: the row is written
+              FROM page p
+             WHERE (SELECT count(*) FROM written) >= 0  -- once, before the first row: the claim row is written
              ORDER BY p.seq;
             GET DIAGNOSTICS got = ROW_COUNT;
             EXIT WHEN got > 0;
@@ -823,7 +829,7 @@ BEGIN
                 -- shard was read for a seal (once per seal)
                 next := outbox_internal._advance(cur, NULL, true);
                 IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) OR stale
-                   OR outbox_internal._behind_a_seal(cur, outbox_internal._newest_seal()) THEN
+                   OR outbox_internal._behind_a_seal(cur, newest) THEN
                     PERFORM outbox_internal._append(next);
                 END IF;
                 EXIT;
@@ -876,7 +882,7 @@ BEGIN
         IF cur.hi_snap IS NULL THEN
             cur := outbox_internal._open_window(cur, seq_mark, x);
         END IF;
-        since := outbox_internal._window_since(cur);
+        since := outbox_internal._window_since(cur, outbox_internal._newest_seal());
         page := ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, NULL, batch_size, since) AS w ORDER BY w.seq);
         exhausted := cardinality(page) < batch_size;
         PERFORM outbox_internal._queue_parked(c.id, ARRAY(
@@ -1021,7 +1027,7 @@ CREATE OR REPLACE FUNCTION outbox_internal._batch(cur outbox._cursor_log) RETURN
     LANGUAGE plpgsql STABLE
 AS $$
 DECLARE
-    since timestamptz := outbox_internal._window_since(cur);
+    since timestamptz := outbox_internal._window_since(cur, outbox_internal._newest_seal());
 BEGIN
     RETURN ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, cur.batch_end, NULL, since) w ORDER BY w.seq);
 END

@@ -20,7 +20,7 @@ AS $$
 DECLARE
     cap       constant int := 1000;
     floor_seq bigint := outbox_internal._pending_floor(cur);
-    since     timestamptz := outbox_internal._since(floor_seq);
+    since     timestamptz := outbox_internal._since(floor_seq, outbox_internal._newest_seal());
     first_seq bigint;
     last_seq  bigint;
 BEGIN
