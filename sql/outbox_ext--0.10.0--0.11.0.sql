@@ -9,6 +9,9 @@
 -- passed down, and a seq at or past it needs no further lookup. _since, _window_since and
 -- _free_cursor take it as an argument (the old forms are dropped); their callers are replaced.
 --
+-- outbox.status took over 20 ms with 2,000,000 events pending: it counted up to 1,000 pending
+-- events exactly in each of the 16 shards. It counts up to 500 now, and estimates beyond.
+--
 -- A delta: what changed from 0.10.0 to 0.11.0, rerunnable. Released: never edit it.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.11.0'" to load this file. \quit
 
@@ -299,7 +302,7 @@ CREATE OR REPLACE FUNCTION outbox_internal._shard_pending(cur outbox._cursor_log
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    cap       constant int := 1000;
+    cap       constant int := 500;   -- 16 shards: 8,000 rows a consumer at most
     floor_seq bigint := outbox_internal._pending_floor(cur);
     since     timestamptz := outbox_internal._since(floor_seq, outbox_internal._newest_seal());
     first_seq bigint;
@@ -317,6 +320,10 @@ BEGIN
     END IF;
 END
 $$;
+
+COMMENT ON VIEW outbox.shard_status IS
+    'Per consumer and shard: pending events (exact up to 500, estimated beyond), the oldest one '
+    'and its age, parked keys, who holds the lease.';
 
 -- nothing new is PUBLIC
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox_internal FROM PUBLIC;

@@ -3,7 +3,7 @@
 -- What is pending is outbox_internal._pending's answer (sql/claim.sql), for the events above
 -- outbox_internal._pending_floor, which bounds the index scan. A view of it costs O(consumers x shards),
 -- however many events the log holds: each shard's pending events are counted exactly up to
--- 1,000 and extrapolated beyond (outbox_internal._shard_pending).
+-- 500 and extrapolated beyond (outbox_internal._shard_pending).
 --
 -- Name resolution (sql/grants.sql): both views are [parsed] and run as their owner;
 -- _shard_pending is [pinned] (the views call it as whoever reads them).
@@ -18,7 +18,7 @@ CREATE OR REPLACE FUNCTION outbox_internal._shard_pending(cur outbox._cursor_log
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    cap       constant int := 1000;
+    cap       constant int := 500;   -- 16 shards: 8,000 rows a consumer at most
     floor_seq bigint := outbox_internal._pending_floor(cur);
     since     timestamptz := outbox_internal._since(floor_seq, outbox_internal._newest_seal());
     first_seq bigint;
@@ -54,7 +54,7 @@ SELECT c.name AS consumer,
                       ORDER BY l.pos DESC LIMIT 1) AS cur
  CROSS JOIN LATERAL outbox_internal._shard_pending(cur, k) AS pend;  -- a sink's: only what it routes
 COMMENT ON VIEW outbox.shard_status IS
-    'Per consumer and shard: pending events (exact up to 1,000, estimated beyond), the oldest one '
+    'Per consumer and shard: pending events (exact up to 500, estimated beyond), the oldest one '
     'and its age, parked keys, who holds the lease.';
 
 CREATE OR REPLACE VIEW outbox.status AS

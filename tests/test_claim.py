@@ -441,6 +441,24 @@ def test_a_claim_with_nothing_to_read_locks_nothing_and_writes_nothing(db, conne
     assert len(connect().execute("SELECT * FROM outbox.claim('sink')").fetchall()) == 1
 
 
+def test_polls_after_a_window_read_to_its_end_write_nothing(db, consumer):
+    """A batch that fills its limit leaves its window open; the claim that then finds nothing
+    more in it records the empty window, once, so the polls after it are idle ones (no xid)
+    instead of reading that window again each time."""
+    emit(db, "k", 5)
+    relay = Relay(db, consumer, batch_size=5)
+    batch = relay.claim()
+    assert len(batch) == 5
+    relay.settle(batch[0].shard, batch[0].epoch)
+    assert relay.claim() == []          # reads the rest of the window: nothing
+    for _ in range(3):
+        with db.transaction():
+            assert db.execute("SELECT count(*) FROM outbox.claim('sink', 5)").fetchone()[0] == 0
+            assert db.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None
+    emit(db, "k")
+    assert len(relay.claim()) == 1
+
+
 def test_a_parked_key_coming_due_is_claimed_with_no_new_event(db, consumer):
     emit(db, "k")
     relay = Relay(db, consumer)

@@ -185,7 +185,7 @@ type Value = fn(&ConsumerStatus) -> Option<f64>;
 const STATUS_SERIES: [(&str, &str, MetricType, Value); 8] = [
     (
         "outbox_pending_events",
-        "Events the consumer has not read yet (exact up to 1,000 per shard, estimated beyond)",
+        "Events the consumer has not read yet (exact up to 500 per shard, estimated beyond)",
         MetricType::Gauge,
         |c| Some(c.pending as f64),
     ),
