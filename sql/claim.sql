@@ -1118,10 +1118,19 @@ DECLARE
     f      outbox_internal._failure;
     kept   int := 0;
 BEGIN
+    -- Each failure is looked up among the batch's failed events, and each key's events among
+    -- the events of failed keys, both taken out of the batch in one pass: not a scan of the
+    -- whole batch per failure and per key.
     firsts := ARRAY(SELECT DISTINCT ON (r.aggregate_id) r
-                      FROM unnest(failures) AS u, outbox_internal._resolve(c, cur, batch, u) AS r
+                      FROM unnest(failures) AS u,
+                           outbox_internal._resolve(c, cur, ARRAY(SELECT b FROM unnest(batch) b
+                                                                 WHERE b.id IN (SELECT v.event_id FROM unnest(failures) v)),
+                                                    u) AS r
                      WHERE r.aggregate_id IS NOT NULL
                      ORDER BY r.aggregate_id, r.seq);
+    batch := ARRAY(SELECT b FROM unnest(batch) b
+                    WHERE b.aggregate_id IN (SELECT k.aggregate_id FROM unnest(firsts) k)
+                    ORDER BY b.seq);
     BEGIN
         FOREACH f IN ARRAY firsts LOOP
             kept := kept + outbox_internal._fail_key(c, cur, batch, f);

@@ -12,6 +12,10 @@
 -- outbox.status took over 20 ms with 2,000,000 events pending: it counted up to 1,000 pending
 -- events exactly in each of the 16 shards. It counts up to 500 now, and estimates beyond.
 --
+-- A settle with failures scanned the whole batch once per failure and twice per failed key
+-- (_resolve, _fail_key); _fail_batch now takes the failed events and the failed keys' events
+-- out of the batch once, and those scans read only them.
+--
 -- A delta: what changed from 0.10.0 to 0.11.0, rerunnable. Released: never edit it.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.11.0'" to load this file. \quit
 
@@ -318,6 +322,43 @@ BEGIN
         events := events + (coalesce(pg_sequence_last_value('outbox.event_seq'), last_seq) - last_seq)
                            * cap / greatest(last_seq - first_seq + 1, cap);
     END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_internal._fail_batch(c outbox.consumers, cur outbox._cursor_log,
+                                              failures outbox_internal._failure[]) RETURNS int
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    batch  outbox.events[] := outbox_internal._batch(cur);
+    firsts outbox_internal._failure[];
+    f      outbox_internal._failure;
+    kept   int := 0;
+BEGIN
+    -- Each failure is looked up among the batch's failed events, and each key's events among
+    -- the events of failed keys, both taken out of the batch in one pass: not a scan of the
+    -- whole batch per failure and per key.
+    firsts := ARRAY(SELECT DISTINCT ON (r.aggregate_id) r
+                      FROM unnest(failures) AS u,
+                           outbox_internal._resolve(c, cur, ARRAY(SELECT b FROM unnest(batch) b
+                                                                 WHERE b.id IN (SELECT v.event_id FROM unnest(failures) v)),
+                                                    u) AS r
+                     WHERE r.aggregate_id IS NOT NULL
+                     ORDER BY r.aggregate_id, r.seq);
+    batch := ARRAY(SELECT b FROM unnest(batch) b
+                    WHERE b.aggregate_id IN (SELECT k.aggregate_id FROM unnest(firsts) k)
+                    ORDER BY b.seq);
+    BEGIN
+        FOREACH f IN ARRAY firsts LOOP
+            kept := kept + outbox_internal._fail_key(c, cur, batch, f);
+        END LOOP;
+    EXCEPTION WHEN OTHERS THEN
+        kept := 0;
+        FOREACH f IN ARRAY firsts LOOP
+            kept := kept + outbox_internal._fail_key_or_say_why(c, cur, batch, f);
+        END LOOP;
+    END;
+    RETURN kept;
 END
 $$;
 
