@@ -173,6 +173,22 @@ CREATE TABLE IF NOT EXISTS outbox._seals (
     PRIMARY KEY (max_seq, upper)
 );
 
+-- Reach: how far ahead of the clock events may lie. Every event has a created_at below the
+-- greatest upper here, so reads add "created_at < it" (outbox_internal._reach), and
+-- PostgreSQL skips the partitions ahead of now before it opens them. An event can land ahead
+-- of the clock only where a clock once ran ahead, so the rows come from where such an event
+-- lands: the trigger outbox_internal._note_reach on every partition ahead of now and on the
+-- default partition records it in the event's own transaction, and outbox.maintain(), when it
+-- turns the trigger off as a partition's time nears, records that partition's upper bound
+-- first (sql/partitions.sql). No row: no bound. Insert-only; maintain() trims all but the
+-- greatest. Not dumped: a restore starts with none, and maintain() records it again.
+CREATE TABLE IF NOT EXISTS outbox._reach (
+    upper timestamptz NOT NULL,
+    at    timestamptz NOT NULL DEFAULT now()
+);
+-- not unique: emits that land ahead at once must not wait for each other's row
+CREATE INDEX IF NOT EXISTS _reach_upper_idx ON outbox._reach (upper);
+
 -- One row of a claimed batch.
 DO $type$
 BEGIN
@@ -337,6 +353,7 @@ DECLARE
     late    record;
     seq_end bigint;
     since   timestamptz;
+    until   timestamptz;
 BEGIN
     IF cur.restored_seq IS NOT NULL THEN
         -- Restored from a dump (sql/restore.sql): the last window in the dump's transaction ids
@@ -365,6 +382,7 @@ BEGIN
     cur.late_from := NULL; cur.late_to := NULL;
     IF cardinality(late.txids) > 0 THEN
         since := outbox_internal._since(late.floor_seq, outbox_internal._newest_seal());
+        until := outbox_internal._reach();
         -- One pass over the range per transaction (there are few), txid = t checked on the
         -- index entries: only their events' rows are visited. (txid = ANY (array) is checked
         -- on the heap rows instead, and a min/max plan would walk the range twice.)
@@ -372,7 +390,8 @@ BEGIN
           FROM unnest(late.txids) AS t
          CROSS JOIN LATERAL (SELECT e.seq FROM outbox.events e
                               WHERE e.shard = cur.shard AND e.seq > late.floor_seq
-                                AND e.seq <= seq_end AND e.txid = t AND e.created_at >= since
+                                AND e.seq <= seq_end AND e.txid = t
+                                AND e.created_at >= since AND e.created_at < until
                              OFFSET 0) AS e;
     END IF;
     cur.after_seq := NULL;
@@ -477,6 +496,18 @@ BEGIN
 END
 $$;
 
+-- The latest created_at an event can have (outbox._reach): 'infinity' when nothing says.
+-- Callers pass it as a value, like since (see _window_since). A window's read takes it after
+-- the window's snapshot: an event that snapshot sees committed with its reach row, which the
+-- read then sees too. (Read before, it could miss both, and the cursor would pass the event.)
+CREATE OR REPLACE FUNCTION outbox_internal._reach() RETURNS timestamptz
+    LANGUAGE plpgsql STABLE  -- its plan cached (a SQL function's body is planned at every call)
+AS $$
+BEGIN
+    RETURN coalesce((SELECT max(r.upper) FROM outbox._reach r), 'infinity');
+END
+$$;
+
 -- The earliest created_at an event with a greater seq can have ('-infinity' when no seal says),
 -- given the newest seal (_newest_seal, read once by the caller). Seals are made a minute behind
 -- the clock: a clock now behind that went back, and until maintain() has dropped the seals
@@ -522,14 +553,15 @@ END
 $$;
 
 -- Events of a shard in the cursor's window, after its position and up to seq upto, in seq
--- order, at most lim (NULL: all); none made before since (_window_since). Both parts walk the (shard, seq, txid) index in order and
+-- order, at most lim (NULL: all); none made before since (_window_since) or after until
+-- (_reach). Both parts walk the (shard, seq, txid) index in order and
 -- stop at the limit. A SQL function that the planner inlines into the statement calling it:
 -- rows are read once, not copied through a function's result first. The callers' plans are
 -- generic (see the API's SET clause): a custom plan, costed with the actual bounds, would
 -- rather sort a whole backlog. A restored cursor reads only the dump's events, whose txids
 -- are the dump's (sql/restore.sql).
 CREATE OR REPLACE FUNCTION outbox_internal._window(shard int, cur outbox._cursor_log, upto bigint, lim int,
-                                                  since timestamptz)
+                                                  since timestamptz, until timestamptz)
 RETURNS SETOF outbox.events
     LANGUAGE sql STABLE
 AS $$
@@ -538,7 +570,7 @@ AS $$
           WHERE e.shard = _window.shard
             AND e.seq > greatest(cur.after_seq, cur.lo_seq)
             AND e.seq <= least(coalesce(upto, 9223372036854775807), cur.restored_seq)
-            AND e.created_at >= since
+            AND e.created_at >= since AND e.created_at < until
             AND e.txid >= cur.lo_top AND e.txid < pg_catalog.pg_snapshot_xmax(cur.hi_snap)
             AND pg_catalog.pg_visible_in_snapshot(e.txid, cur.hi_snap)
           ORDER BY e.seq LIMIT lim)
@@ -548,7 +580,7 @@ AS $$
             AND e.shard = _window.shard
             AND e.seq >= cur.late_from AND e.seq > coalesce(cur.after_seq, -1)
             AND e.seq <= least(cur.late_to, coalesce(upto, 9223372036854775807), cur.restored_seq)
-            AND e.created_at >= since
+            AND e.created_at >= since AND e.created_at < until
             AND e.txid = ANY ((SELECT (outbox_internal._late(cur)).txids)::xid8[])  -- once, not per row
           ORDER BY e.seq LIMIT lim)
     ) AS w ORDER BY w.seq LIMIT lim
@@ -689,7 +721,7 @@ $$;
 -- nothing), or a floor behind the newest seal (an empty window read once moves it past).
 -- Otherwise no cursor.
 CREATE OR REPLACE FUNCTION outbox_internal._free_cursor(consumer_id int, shard int, newest outbox._seals,
-                                               OUT cur outbox._cursor_log, OUT parked boolean)
+                                               until timestamptz, OUT cur outbox._cursor_log, OUT parked boolean)
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
@@ -713,7 +745,8 @@ BEGIN
         floor_seq := outbox_internal._pending_floor(cur);  -- a value: the probe's index bound
         since := outbox_internal._since(floor_seq, newest);
         IF NOT EXISTS (SELECT FROM outbox.events e
-                        WHERE e.shard = _free_cursor.shard AND e.seq > floor_seq AND e.created_at >= since)
+                        WHERE e.shard = _free_cursor.shard AND e.seq > floor_seq
+                          AND e.created_at >= since AND e.created_at < until)
            AND NOT outbox_internal._behind_a_seal(cur, newest) THEN
             cur := NULL;
         END IF;
@@ -735,6 +768,7 @@ DECLARE
     curs   outbox._cursor_log[];
     newest outbox._seals;
     since  timestamptz;
+    until  timestamptz := outbox_internal._reach();
 BEGIN
     -- first one shard, at random: in a backlog most have a window open (a claim opened it and
     -- has not read it to its end), and one cursor is cheaper to read than all
@@ -759,7 +793,7 @@ BEGIN
                         WHERE p.consumer_id = _may_have_work.consumer_id AND p.shard = c.shard)
             OR EXISTS (SELECT FROM outbox.events e
                         WHERE e.shard = c.shard AND e.seq > outbox_internal._pending_floor(c)
-                          AND e.created_at >= since));
+                          AND e.created_at >= since AND e.created_at < until));
 END
 $$;
 
@@ -793,6 +827,7 @@ DECLARE
     n      int := outbox.shard_count();
     start  int := floor(random() * n)::int;
     newest outbox._seals := outbox_internal._newest_seal();  -- read once: see _since
+    until  timestamptz := outbox_internal._reach();  -- for the probes; a window reads it again
     free   record;
     cur    outbox._cursor_log;
     next   outbox._cursor_log;
@@ -802,7 +837,7 @@ DECLARE
     got    bigint := 0;
 BEGIN
     FOR i IN 0 .. n - 1 LOOP
-        free := outbox_internal._free_cursor(c.id, (start + i) % n, newest);
+        free := outbox_internal._free_cursor(c.id, (start + i) % n, newest, until);
         CONTINUE WHEN free.cur IS NULL;
         cur := free.cur;
         stale := cur.hi_snap IS NOT NULL;  -- a window open, perhaps read to its end already
@@ -815,8 +850,9 @@ BEGIN
                 cur := outbox_internal._open_window(cur, seq_mark, x);
             END IF;
             since := outbox_internal._window_since(cur, newest);
+            until := outbox_internal._reach();  -- read after the window's snapshot: see _reach
             RETURN QUERY
-            WITH page AS MATERIALIZED (SELECT * FROM outbox_internal._window(cur.shard, cur, NULL, batch_size, since)),
+            WITH page AS MATERIALIZED (SELECT * FROM outbox_internal._window(cur.shard, cur, NULL, batch_size, since, until)),
                  written AS MATERIALIZED (
                      SELECT outbox_internal._append(outbox_internal._claimed(cur, owner, lease, max(p.seq),
                                                            count(*) < batch_size, '{}'))
@@ -883,6 +919,7 @@ DECLARE
     heads     outbox.claimed[];
     exhausted boolean;
     since     timestamptz;
+    until     timestamptz;
 BEGIN
     LOOP
         fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
@@ -890,7 +927,9 @@ BEGIN
             cur := outbox_internal._open_window(cur, seq_mark, x);
         END IF;
         since := outbox_internal._window_since(cur, outbox_internal._newest_seal());
-        page := ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, NULL, batch_size, since) AS w ORDER BY w.seq);
+        until := outbox_internal._reach();  -- after the window's snapshot: see _reach
+        page := ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, NULL, batch_size, since, until) AS w
+                       ORDER BY w.seq);
         exhausted := cardinality(page) < batch_size;
         PERFORM outbox_internal._queue_parked(c.id, ARRAY(
             SELECT e FROM unnest(page) e
@@ -1035,8 +1074,10 @@ CREATE OR REPLACE FUNCTION outbox_internal._batch(cur outbox._cursor_log) RETURN
 AS $$
 DECLARE
     since timestamptz := outbox_internal._window_since(cur, outbox_internal._newest_seal());
+    until timestamptz := outbox_internal._reach();
 BEGIN
-    RETURN ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, cur.batch_end, NULL, since) w ORDER BY w.seq);
+    RETURN ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, cur.batch_end, NULL, since, until) w
+                  ORDER BY w.seq);
 END
 $$;
 

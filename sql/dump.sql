@@ -32,3 +32,5 @@ SELECT pg_catalog.pg_extension_config_dump('outbox._origin', '');               
 -- Not marked: outbox._seals (what this cluster's maintain() saw of open transactions; the
 -- restoring cluster's maintain() seals the restored log anew, claims read every partition
 -- until then).
+-- Not marked: outbox._reach (a restore starts without it: claims then read every partition
+-- ahead of now until maintain() records it again).

@@ -169,10 +169,82 @@ BEGIN
                        outbox_internal._key_column(parent), outbox_internal._bound(parent, hi_at), nsp, part);
     END IF;
     PERFORM outbox_internal._index_partition(parent, format('%I.%I', nsp, part)::regclass);
+    IF parent = 'outbox.events'::regclass THEN
+        PERFORM outbox_internal._arm_reach(format('%I.%I', nsp, part)::regclass, hi_at);
+    END IF;
     EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
                    nsp, rel, nsp, part, outbox_internal._bound(parent, lo_at), outbox_internal._bound(parent, hi_at));
     PERFORM outbox_internal._revoke_all(format('%I.%I', nsp, part)::regclass);
     RETURN format('%I.%I', nsp, part)::regclass;
+END
+$$;
+
+-- Reach (outbox._reach, sql/claim.sql): an events partition is made with the trigger that
+-- records its upper bound when a row lands in it, and keeps it while its time lies ahead. Then
+-- no claim need open it: unless its trigger has fired, no event is there. ALWAYS: a session
+-- with session_replication_role = replica fires it too. The default partition's trigger
+-- records the hour after the row's created_at. A row costs one index probe while its
+-- partition's trigger is on: maintain() turns it off as the partition's time nears
+-- (_advance_reach).
+CREATE OR REPLACE FUNCTION outbox_internal._note_reach() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    reach timestamptz := CASE WHEN TG_NARGS > 0 THEN pg_catalog.to_timestamp(TG_ARGV[0]::float8)
+                              ELSE pg_catalog.date_trunc('hour', NEW.created_at) + interval '1 hour' END;
+BEGIN
+    IF NOT EXISTS (SELECT FROM outbox._reach r WHERE r.upper >= reach) THEN
+        INSERT INTO outbox._reach (upper) VALUES (reach);
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_internal._arm_reach(part regclass, upper timestamptz) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    EXECUTE format('CREATE OR REPLACE TRIGGER outbox_reach BEFORE INSERT ON %s FOR EACH ROW '
+                   'EXECUTE FUNCTION outbox_internal._note_reach(%L)', part, extract(epoch FROM upper)::text);
+    EXECUTE format('ALTER TABLE %s ENABLE ALWAYS TRIGGER outbox_reach', part);
+END
+$$;
+
+-- Whether a partition's reach trigger is on (always).
+CREATE OR REPLACE FUNCTION outbox_internal._reach_armed(part regclass) RETURNS boolean
+    LANGUAGE sql STABLE
+    RETURN EXISTS (SELECT FROM pg_trigger t WHERE t.tgrelid = part AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A');
+
+-- Turn the reach trigger off on the events partitions whose time begins within a width, and
+-- record, in the same transaction, the greatest upper bound of a partition whose trigger is
+-- off (or absent: made by an earlier version, or restored so): every event lies below it, or
+-- in a partition whose trigger records its own. A partition that is in use (lock
+-- timeout) keeps its trigger until the next run.
+CREATE OR REPLACE FUNCTION outbox_internal._advance_reach(parts outbox.partitions[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    width interval := (SELECT c.width FROM outbox.partition_config c WHERE c.parent = 'outbox.events'::regclass);
+    p     outbox.partitions;
+    old_timeout text := current_setting('lock_timeout');
+BEGIN
+    PERFORM set_config('lock_timeout', '1s', true);
+    FOR p IN SELECT * FROM unnest(parts) x
+              WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default AND x.lower < now() + width
+                AND outbox_internal._reach_armed(x.partition) LOOP
+        BEGIN
+            EXECUTE format('ALTER TABLE %s DISABLE TRIGGER outbox_reach', p.partition);
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;  -- emits write there already: it stays on until the next run
+        END;
+    END LOOP;
+    PERFORM set_config('lock_timeout', old_timeout, true);
+    INSERT INTO outbox._reach (upper)
+    SELECT max(x.upper) FROM unnest(parts) x
+     WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default
+       AND NOT outbox_internal._reach_armed(x.partition)
+    HAVING max(x.upper) > coalesce((SELECT max(r.upper) FROM outbox._reach r), '-infinity');
+    DELETE FROM outbox._reach r WHERE r.upper < (SELECT max(s.upper) FROM outbox._reach s);
 END
 $$;
 
@@ -377,12 +449,18 @@ BEGIN
         LOOP
             created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
             IF created IS NOT NULL THEN
+                changed := true;
                 RETURN QUERY SELECT 'created', created::text, NULL::text;
             END IF;
         END LOOP;
     END LOOP;
-    -- 4. seal the past: claims then skip the partitions they have read past
+    -- 4. seal the past and record how far ahead events may be: claims then skip the partitions
+    --    they have read past and those ahead of now
+    IF changed THEN  -- the loop above made partitions
+        parts := outbox_internal._partition_list();
+    END IF;
     PERFORM outbox_internal._seal(parts);
+    PERFORM outbox_internal._advance_reach(parts);
     DELETE FROM inbox.messages_default m
      WHERE m.received_at < now() - (SELECT c.retention FROM outbox.partition_config c
                                      WHERE c.parent = 'inbox.messages'::regclass);
@@ -412,6 +490,9 @@ CREATE TABLE IF NOT EXISTS outbox.events_default PARTITION OF outbox.events DEFA
 CREATE TABLE IF NOT EXISTS inbox.messages_default PARTITION OF inbox.messages DEFAULT;
 SELECT outbox_internal._index_partition('outbox.events', 'outbox.events_default');
 SELECT outbox_internal._index_partition('inbox.messages', 'inbox.messages_default');
+CREATE OR REPLACE TRIGGER outbox_reach BEFORE INSERT ON outbox.events_default
+    FOR EACH ROW EXECUTE FUNCTION outbox_internal._note_reach();
+ALTER TABLE outbox.events_default ENABLE ALWAYS TRIGGER outbox_reach;
 
 -- Restoring a dump puts its partition_config rows over those CREATE EXTENSION made (a plain
 -- COPY would collide with them); see sql/dump.sql.

@@ -57,6 +57,7 @@ BEGIN
         RETURN NEW;  -- CREATE EXTENSION's own row
     END IF;
     DELETE FROM outbox._seals;  -- made before the dump's events arrived: not about them
+    DELETE FROM outbox._reach;  -- likewise; maintain() records it again over every partition
     UPDATE outbox._origin
        SET restore_pending = true, restored_at = now(), restorer = pg_backend_pid(),
            restorer_since = (SELECT a.backend_start FROM pg_stat_activity a WHERE a.pid = pg_backend_pid());

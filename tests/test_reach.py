@@ -1,0 +1,157 @@
+"""Reach (outbox._reach): claims and settles skip the partitions ahead of now, which they would
+otherwise open and read in every statement, and nothing is lost for it: an event that lands
+ahead of the clock (a clock that once ran ahead) records how far, in its own transaction, and
+is claimed like any other; maintain() turns that recording off as a partition's time nears."""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+
+from relay import Relay
+from test_maintain import insert_event_at
+
+AHEAD = 20  # one-minute partitions made ahead
+
+
+def one_minute_partitions(db, ahead: int = AHEAD, width: str = "1 minute") -> None:
+    """Only partitions of a width, from this one on, ahead more of them, as if the database
+    had had no others: the reach recorded for the daily ones goes with them (it only grows)."""
+    for (part,) in db.execute("SELECT partition::text FROM outbox.partitions"
+                              " WHERE parent = 'outbox.events'::regclass AND NOT is_default").fetchall():
+        db.execute(f"DROP TABLE {part}")
+    db.execute("DELETE FROM outbox._reach")
+    db.execute("UPDATE outbox.partition_config SET width = %s, ahead = %s"
+               " WHERE parent = 'outbox.events'::regclass", (width, ahead))
+    db.execute("SELECT * FROM outbox.maintain()")
+
+
+def reach(db):
+    return db.execute("SELECT max(upper) FROM outbox._reach").fetchone()[0]
+
+
+def armed(db) -> list[str]:
+    """The events partitions whose reach trigger is on."""
+    return [r[0] for r in db.execute("""
+        SELECT p.partition::text FROM outbox.partitions p
+          JOIN pg_trigger t ON t.tgrelid = p.partition AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A'
+         WHERE p.parent = 'outbox.events'::regclass AND NOT p.is_default ORDER BY p.lower""").fetchall()]
+
+
+def scanned_ahead(db, sql: str, *args) -> int:
+    """How many partitions a minute or more ahead of now sql's scans visit (in a transaction
+    rolled back; pg_stat_xact_user_tables counts them, once earlier transactions' counts are
+    flushed)."""
+    db.execute("SELECT pg_stat_force_next_flush()")
+    db.execute("BEGIN")
+    try:
+        db.execute(sql, args)
+        return db.execute("""SELECT count(*) FROM pg_stat_xact_user_tables t
+                              JOIN outbox.partitions p ON p.partition = t.relid
+                             WHERE p.parent = 'outbox.events'::regclass AND NOT p.is_default
+                               AND p.lower >= now() + interval '1 minute'
+                               AND t.idx_scan + t.seq_scan > 0""").fetchone()[0]
+    finally:
+        db.execute("ROLLBACK")
+
+
+def test_claims_and_settles_skip_the_partitions_ahead_of_the_reach(db):
+    db.execute("SELECT outbox.create_consumer('c')")
+    one_minute_partitions(db)
+    ahead = len(armed(db))
+    assert ahead >= AHEAD - 2, "the partitions a minute or more ahead record their reach"
+    for i in range(20):
+        db.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (f"k{i}",))
+    relay = Relay(db, "c", batch_size=10)
+    batch = relay.claim()
+    assert batch
+    assert scanned_ahead(db, "SELECT * FROM outbox.claim('c', 10)") == 0
+    assert scanned_ahead(db, "SELECT outbox.settle('c', %s, %s, '[]')", batch[0].shard, batch[0].epoch) == 0
+    # without a reach every partition ahead is read again: what it saves
+    db.execute("DELETE FROM outbox._reach")
+    assert scanned_ahead(db, "SELECT * FROM outbox.claim('c', 10)") >= ahead - 1
+    relay.settle(batch[0].shard, batch[0].epoch)
+    assert len(relay.drain()) == 20 - len(batch)
+
+
+def test_an_event_ahead_of_the_clock_is_claimed_in_its_keys_order(db):
+    db.execute("SELECT outbox.create_consumer('c')")
+    one_minute_partitions(db)
+    before = reach(db)
+    # a clock ten minutes ahead when this was written: it lands in a partition ahead
+    insert_event_at(db, "k", "10 minutes")
+    part = db.execute("SELECT tableoid::regclass::text FROM outbox.events").fetchone()[0]
+    assert part in armed(db)
+    db.execute("SELECT outbox.emit('order', 'k', 'second', '{}')")
+    db.execute("SELECT outbox.emit('order', 'other', 'e', '{}')")
+    got = Relay(db, "c", batch_size=10).drain()
+    assert [(e.aggregate_id, e.event_type) for e in got if e.aggregate_id == "k"] == [("k", "e"), ("k", "second")]
+    assert len(got) == 3
+    assert reach(db) > before  # what let the claims see it
+
+
+def test_an_event_beyond_every_partition_is_claimed(db):
+    db.execute("SELECT outbox.create_consumer('c')")
+    one_minute_partitions(db)
+    insert_event_at(db, "far", "40 days")
+    assert db.execute("SELECT tableoid::regclass::text FROM outbox.events").fetchone()[0] == "outbox.events_default"
+    db.execute("SELECT outbox.emit('order', 'near', 'e', '{}')")
+    assert sorted(e.aggregate_id for e in Relay(db, "c").drain()) == ["far", "near"]
+
+
+def test_maintain_turns_the_trigger_off_as_a_partitions_time_nears_and_moves_the_reach(db):
+    one_minute_partitions(db, ahead=10, width="2 seconds")
+    first = reach(db)
+    on = armed(db)
+    bounds = dict(db.execute("""SELECT partition::text, lower FROM outbox.partitions
+                                 WHERE parent = 'outbox.events'::regclass AND NOT is_default""").fetchall())
+    assert len(on) >= 8 and all(bounds[p] >= first for p in on), "the trigger is on beyond the reach only"
+    time.sleep(4.5)
+    db.execute("SELECT * FROM outbox.maintain()")
+    assert (reach(db) - first).total_seconds() >= 4
+    assert len(set(on) - set(armed(db))) >= 2
+    # emits where the trigger is off record nothing; maintain() keeps only the greatest row
+    for i in range(10):
+        db.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (f"k{i}",))
+    assert db.execute("SELECT count(*) FROM outbox._reach").fetchone()[0] == 1
+
+
+def test_emits_that_land_ahead_at_once_do_not_wait_for_each_other(db, connect):
+    one_minute_partitions(db)
+    first = connect(autocommit=False)
+    insert_event_at(first, "a", "10 minutes")   # records the reach, not committed yet
+    second = connect()
+    second.execute("SET statement_timeout = '5s'")
+    insert_event_at(second, "b", "10 minutes")  # would wait on first's row if it were unique
+    first.commit()
+    assert db.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 2
+
+
+def test_partitions_made_before_the_reach_are_covered_by_it(cluster, new_database):
+    """0.11.0 made partitions without the trigger: the reach maintain() records covers them."""
+    name = new_database()
+    with cluster.connect(name) as db:
+        db.execute("CREATE EXTENSION outbox_ext VERSION '0.11.0'")
+        db.execute("UPDATE outbox.partition_config SET ahead = 5")
+        db.execute("SELECT * FROM outbox.maintain()")
+        db.execute("SELECT outbox.create_consumer('c')")
+        db.execute("ALTER EXTENSION outbox_ext UPDATE")
+        insert_event_at(db, "before", "4 days")   # no reach yet: claims read every partition
+        assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["before"]
+        db.execute("SELECT * FROM outbox.maintain()")
+        last = db.execute("""SELECT max(upper) FROM outbox.partitions
+                              WHERE parent = 'outbox.events'::regclass AND NOT is_default""").fetchone()[0]
+        assert reach(db) >= last
+        insert_event_at(db, "after", "4 days")
+        assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["after"]
+
+
+def test_no_role_can_write_the_reach(db, connect):
+    for role in ("producer_user", "relay_user", "admin_user"):
+        user = connect(role)
+        try:
+            user.execute("DELETE FROM outbox._reach")
+            raise AssertionError(f"{role} deleted the reach")
+        except psycopg.errors.InsufficientPrivilege:
+            pass
