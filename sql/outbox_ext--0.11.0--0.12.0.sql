@@ -6,8 +6,8 @@
 -- 4 partitions). Now outbox._reach records how far ahead of the clock events may lie: a
 -- trigger on every partition ahead of now (and on the default partition) records its bound
 -- when a row lands there, and maintain() turns the trigger off as a partition's time nears,
--- recording that partition's bound first. Claims add "created_at <= that bound" to what they
--- read (_window, _free_cursor and _may_have_work take it), and PostgreSQL skips the
+-- recording that partition's bound first. Claims add "created_at < that bound" to what they
+-- read (_window, _free_cursor, _may_have_work and status take it), and PostgreSQL skips the
 -- partitions beyond it before it opens them.
 --
 -- Partitions made by earlier versions have no trigger: maintain() counts them as reached (the
@@ -351,10 +351,6 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox_internal._reach_armed(part regclass) RETURNS boolean
-    LANGUAGE sql STABLE
-    RETURN EXISTS (SELECT FROM pg_trigger t WHERE t.tgrelid = part AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A');
-
 CREATE OR REPLACE FUNCTION outbox_internal._advance_reach(parts outbox.partitions[]) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
@@ -364,9 +360,9 @@ DECLARE
     old_timeout text := current_setting('lock_timeout');
 BEGIN
     PERFORM set_config('lock_timeout', '1s', true);
-    FOR p IN SELECT * FROM unnest(parts) x
-              WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default AND x.lower < now() + width
-                AND outbox_internal._reach_armed(x.partition) LOOP
+    FOR p IN SELECT x.* FROM unnest(parts) x
+               JOIN pg_trigger t ON t.tgrelid = x.partition AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A'
+              WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default AND x.lower < now() + width LOOP
         BEGIN
             EXECUTE format('ALTER TABLE %s DISABLE TRIGGER outbox_reach', p.partition);
         EXCEPTION WHEN lock_not_available THEN
@@ -377,7 +373,8 @@ BEGIN
     INSERT INTO outbox._reach (upper)
     SELECT max(x.upper) FROM unnest(parts) x
      WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default
-       AND NOT outbox_internal._reach_armed(x.partition)
+       AND NOT EXISTS (SELECT FROM pg_trigger t  -- on: always
+                        WHERE t.tgrelid = x.partition AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A')
     HAVING max(x.upper) > coalesce((SELECT max(r.upper) FROM outbox._reach r), '-infinity');
     DELETE FROM outbox._reach r WHERE r.upper < (SELECT max(s.upper) FROM outbox._reach s);
 END
@@ -514,6 +511,8 @@ BEGIN
                 END IF;
                 IF cfg.detach THEN
                     EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', cfg.parent, part);
+                    -- an archive keeps no trigger of ours (it would need the extension)
+                    EXECUTE format('DROP TRIGGER IF EXISTS outbox_reach ON %s', part);
                     RETURN QUERY SELECT 'detached', part, NULL::text;
                 ELSE
                     EXECUTE format('DROP TABLE %s', part);
@@ -616,6 +615,32 @@ BEGIN
     CREATE OR REPLACE TRIGGER rebase_before_emit BEFORE INSERT ON outbox.events
         FOR EACH STATEMENT EXECUTE FUNCTION outbox_internal._rebase_before_emit();
     RETURN NULL;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_internal._shard_pending(cur outbox._cursor_log, sink outbox.sinks,
+                                                 OUT events bigint, OUT oldest timestamptz)
+    LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    cap       constant int := 500;   -- 16 shards: 8,000 rows a consumer at most
+    floor_seq bigint := outbox_internal._pending_floor(cur);
+    since     timestamptz := outbox_internal._since(floor_seq, outbox_internal._newest_seal());
+    until     timestamptz := outbox_internal._reach();
+    first_seq bigint;
+    last_seq  bigint;
+BEGIN
+    SELECT count(*), min(p.created_at), min(p.seq), max(p.seq) INTO events, oldest, first_seq, last_seq
+      FROM (SELECT e.created_at, e.seq FROM outbox.events e
+             WHERE e.shard = cur.shard AND e.seq > floor_seq AND e.created_at >= since AND e.created_at < until
+               AND outbox_internal._pending(cur, e.txid, e.seq)
+               AND (sink.name IS NULL OR outbox_internal._routes(sink, e.topic, e.aggregate_type))
+             ORDER BY e.seq LIMIT cap) AS p;
+    IF events = cap THEN
+        events := events + (coalesce(pg_sequence_last_value('outbox.event_seq'), last_seq) - last_seq)
+                           * cap / greatest(last_seq - first_seq + 1, cap);
+    END IF;
 END
 $$;
 

@@ -210,11 +210,6 @@ BEGIN
 END
 $$;
 
--- Whether a partition's reach trigger is on (always).
-CREATE OR REPLACE FUNCTION outbox_internal._reach_armed(part regclass) RETURNS boolean
-    LANGUAGE sql STABLE
-    RETURN EXISTS (SELECT FROM pg_trigger t WHERE t.tgrelid = part AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A');
-
 -- Turn the reach trigger off on the events partitions whose time begins within a width, and
 -- record, in the same transaction, the greatest upper bound of a partition whose trigger is
 -- off (or absent: made by an earlier version, or restored so): every event lies below it, or
@@ -229,9 +224,9 @@ DECLARE
     old_timeout text := current_setting('lock_timeout');
 BEGIN
     PERFORM set_config('lock_timeout', '1s', true);
-    FOR p IN SELECT * FROM unnest(parts) x
-              WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default AND x.lower < now() + width
-                AND outbox_internal._reach_armed(x.partition) LOOP
+    FOR p IN SELECT x.* FROM unnest(parts) x
+               JOIN pg_trigger t ON t.tgrelid = x.partition AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A'
+              WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default AND x.lower < now() + width LOOP
         BEGIN
             EXECUTE format('ALTER TABLE %s DISABLE TRIGGER outbox_reach', p.partition);
         EXCEPTION WHEN lock_not_available THEN
@@ -242,7 +237,8 @@ BEGIN
     INSERT INTO outbox._reach (upper)
     SELECT max(x.upper) FROM unnest(parts) x
      WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default
-       AND NOT outbox_internal._reach_armed(x.partition)
+       AND NOT EXISTS (SELECT FROM pg_trigger t  -- on: always
+                        WHERE t.tgrelid = x.partition AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A')
     HAVING max(x.upper) > coalesce((SELECT max(r.upper) FROM outbox._reach r), '-infinity');
     DELETE FROM outbox._reach r WHERE r.upper < (SELECT max(s.upper) FROM outbox._reach s);
 END
@@ -391,6 +387,8 @@ BEGIN
                 END IF;
                 IF cfg.detach THEN
                     EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', cfg.parent, part);
+                    -- an archive keeps no trigger of ours (it would need the extension)
+                    EXECUTE format('DROP TRIGGER IF EXISTS outbox_reach ON %s', part);
                     RETURN QUERY SELECT 'detached', part, NULL::text;
                 ELSE
                     EXECUTE format('DROP TABLE %s', part);

@@ -21,12 +21,13 @@ DECLARE
     cap       constant int := 500;   -- 16 shards: 8,000 rows a consumer at most
     floor_seq bigint := outbox_internal._pending_floor(cur);
     since     timestamptz := outbox_internal._since(floor_seq, outbox_internal._newest_seal());
+    until     timestamptz := outbox_internal._reach();
     first_seq bigint;
     last_seq  bigint;
 BEGIN
     SELECT count(*), min(p.created_at), min(p.seq), max(p.seq) INTO events, oldest, first_seq, last_seq
       FROM (SELECT e.created_at, e.seq FROM outbox.events e
-             WHERE e.shard = cur.shard AND e.seq > floor_seq AND e.created_at >= since
+             WHERE e.shard = cur.shard AND e.seq > floor_seq AND e.created_at >= since AND e.created_at < until
                AND outbox_internal._pending(cur, e.txid, e.seq)
                AND (sink.name IS NULL OR outbox_internal._routes(sink, e.topic, e.aggregate_type))
              ORDER BY e.seq LIMIT cap) AS p;

@@ -113,6 +113,8 @@ def test_detach_instead_of_drop(db):
     Relay(db, "c").drain()
     assert ("detached", part) in [(a, r) for a, r, _ in maintain(db)]
     assert db.execute(f"SELECT count(*) FROM {part}").fetchone()[0] == 1, "kept as a plain table"
+    assert db.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = %s::regclass", (part,)).fetchone()[0] == 0, \
+        "with no trigger of ours (the archive outlives the extension)"
 
 
 def test_a_drop_waits_for_readers_without_deadlocking_them(db, connect):

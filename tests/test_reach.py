@@ -1,7 +1,8 @@
-"""Reach (outbox._reach): claims and settles skip the partitions ahead of now, which they would
-otherwise open and read in every statement, and nothing is lost for it: an event that lands
-ahead of the clock (a clock that once ran ahead) records how far, in its own transaction, and
-is claimed like any other; maintain() turns that recording off as a partition's time nears."""
+"""Reach (outbox._reach): claims, settles and status skip the partitions ahead of now, which
+they would otherwise open and read in every statement, and nothing is lost for it: an event
+that lands ahead of the clock (a clock that once ran ahead) records how far, in its own
+transaction, and is claimed like any other; maintain() turns that recording off as a
+partition's time nears."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def scanned_ahead(db, sql: str, *args) -> int:
         db.execute("ROLLBACK")
 
 
-def test_claims_and_settles_skip_the_partitions_ahead_of_the_reach(db):
+def test_claims_settles_and_status_skip_the_partitions_ahead_of_the_reach(db):
     db.execute("SELECT outbox.create_consumer('c')")
     one_minute_partitions(db)
     ahead = len(armed(db))
@@ -68,6 +69,8 @@ def test_claims_and_settles_skip_the_partitions_ahead_of_the_reach(db):
     assert batch
     assert scanned_ahead(db, "SELECT * FROM outbox.claim('c', 10)") == 0
     assert scanned_ahead(db, "SELECT outbox.settle('c', %s, %s, '[]')", batch[0].shard, batch[0].epoch) == 0
+    assert scanned_ahead(db, "SELECT * FROM outbox.status") == 0
+    assert scanned_ahead(db, "SELECT * FROM outbox.shard_status") == 0
     # without a reach every partition ahead is read again: what it saves
     db.execute("DELETE FROM outbox._reach")
     assert scanned_ahead(db, "SELECT * FROM outbox.claim('c', 10)") >= ahead - 1
