@@ -175,19 +175,21 @@ CREATE TABLE IF NOT EXISTS outbox._seals (
 
 -- Reach: how far ahead of the clock events may lie. Every event has a created_at below the
 -- greatest upper here, so reads add "created_at < it" (outbox_internal._reach), and
--- PostgreSQL skips the partitions ahead of now before it opens them. An event can land ahead
--- of the clock only where a clock once ran ahead, so the rows come from where such an event
--- lands: the trigger outbox_internal._note_reach on every partition ahead of now and on the
--- default partition records it in the event's own transaction, and outbox.maintain(), when it
--- turns the trigger off as a partition's time nears, records that partition's upper bound
--- first (sql/partitions.sql). No row: no bound. Insert-only; maintain() trims all but the
--- greatest. Not dumped: a restore starts with none, and maintain() records it again.
+-- PostgreSQL skips the partitions ahead of now before it opens them. An event lands ahead of
+-- the clock only where a clock once ran ahead, and there the trigger outbox_reach, on every
+-- partition whose time lies ahead and on the default partition, records its bound in the
+-- event's own transaction; outbox.maintain() turns the trigger off as a partition's time nears
+-- and records, in the same transaction, a bound above every event it does not cover
+-- (sql/partitions.sql). The row 'infinity' stands for "no bound yet" (after CREATE EXTENSION,
+-- an upgrade or a restore), until maintain() records one. Insert-only but for maintain(),
+-- which keeps the greatest. Not dumped.
 CREATE TABLE IF NOT EXISTS outbox._reach (
     upper timestamptz NOT NULL,
     at    timestamptz NOT NULL DEFAULT now()
 );
 -- not unique: emits that land ahead at once must not wait for each other's row
 CREATE INDEX IF NOT EXISTS _reach_upper_idx ON outbox._reach (upper);
+INSERT INTO outbox._reach (upper) SELECT 'infinity' WHERE NOT EXISTS (SELECT FROM outbox._reach);
 
 -- One row of a claimed batch.
 DO $type$
@@ -496,7 +498,7 @@ BEGIN
 END
 $$;
 
--- The latest created_at an event can have (outbox._reach): 'infinity' when nothing says.
+-- What every event's created_at is below (outbox._reach): 'infinity' when nothing says.
 -- Callers pass it as a value, like since (see _window_since). A window's read takes it after
 -- the window's snapshot: an event that snapshot sees committed with its reach row, which the
 -- read then sees too. (Read before, it could miss both, and the cursor would pass the event.)

@@ -3,16 +3,17 @@
 -- Why: claims opened every partition ahead of now. Nothing told them those were empty, so
 -- with one-minute partitions and 199 made ahead, each claim opened and read 199 empty
 -- partitions in every statement that reads events (a claim + settle cost 7x as much as with
--- 4 partitions). Now outbox._reach records how far ahead of the clock events may lie: a
--- trigger on every partition ahead of now (and on the default partition) records its bound
--- when a row lands there, and maintain() turns the trigger off as a partition's time nears,
--- recording that partition's bound first. Claims add "created_at < that bound" to what they
--- read (_window, _free_cursor, _may_have_work and status take it), and PostgreSQL skips the
--- partitions beyond it before it opens them.
+-- 4 partitions). Now outbox._reach records how far ahead of the clock events may lie: the
+-- trigger outbox_reach on outbox.events (so on every partition) records a partition's bound
+-- when a row lands there while the trigger is on, and maintain() turns it off as a
+-- partition's time nears, recording a bound above everything it then no longer covers.
+-- Claims add "created_at < that bound" to what they read (_window, _free_cursor,
+-- _may_have_work and status take it), and PostgreSQL skips the partitions beyond it before it
+-- opens them.
 --
--- Partitions made by earlier versions have no trigger: maintain() counts them as reached (the
--- bound covers every one of them), so nothing changes for them; until maintain() runs, there
--- is no bound and claims read as before.
+-- The partitions an earlier version made get the trigger turned off here: the bound
+-- maintain() records covers every one of them. Until it runs, the bound is 'infinity' and
+-- claims read as before.
 --
 -- A delta: what changed from 0.11.0 to 0.12.0, rerunnable. Released: never edit it.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.12.0'" to load this file. \quit
@@ -23,6 +24,7 @@ CREATE TABLE IF NOT EXISTS outbox._reach (
 );
 -- not unique: emits that land ahead at once must not wait for each other's row
 CREATE INDEX IF NOT EXISTS _reach_upper_idx ON outbox._reach (upper);
+INSERT INTO outbox._reach (upper) SELECT 'infinity' WHERE NOT EXISTS (SELECT FROM outbox._reach);
 
 -- the forms without the reach (PL/pgSQL callers name them by text: no dependency)
 DROP FUNCTION IF EXISTS outbox_internal._window(int, outbox._cursor_log, bigint, int, timestamptz);
@@ -327,27 +329,47 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox_internal._note_reach() RETURNS trigger
-    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+CREATE OR REPLACE FUNCTION outbox_internal._shard_pending(cur outbox._cursor_log, sink outbox.sinks,
+                                                 OUT events bigint, OUT oldest timestamptz)
+    LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    reach timestamptz := CASE WHEN TG_NARGS > 0 THEN pg_catalog.to_timestamp(TG_ARGV[0]::float8)
-                              ELSE pg_catalog.date_trunc('hour', NEW.created_at) + interval '1 hour' END;
+    cap       constant int := 500;   -- 16 shards: 8,000 rows a consumer at most
+    floor_seq bigint := outbox_internal._pending_floor(cur);
+    since     timestamptz := outbox_internal._since(floor_seq, outbox_internal._newest_seal());
+    until     timestamptz := outbox_internal._reach();
+    first_seq bigint;
+    last_seq  bigint;
 BEGIN
-    IF NOT EXISTS (SELECT FROM outbox._reach r WHERE r.upper >= reach) THEN
-        INSERT INTO outbox._reach (upper) VALUES (reach);
+    SELECT count(*), min(p.created_at), min(p.seq), max(p.seq) INTO events, oldest, first_seq, last_seq
+      FROM (SELECT e.created_at, e.seq FROM outbox.events e
+             WHERE e.shard = cur.shard AND e.seq > floor_seq AND e.created_at >= since AND e.created_at < until
+               AND outbox_internal._pending(cur, e.txid, e.seq)
+               AND (sink.name IS NULL OR outbox_internal._routes(sink, e.topic, e.aggregate_type))
+             ORDER BY e.seq LIMIT cap) AS p;
+    IF events = cap THEN
+        events := events + (coalesce(pg_sequence_last_value('outbox.event_seq'), last_seq) - last_seq)
+                           * cap / greatest(last_seq - first_seq + 1, cap);
     END IF;
-    RETURN NEW;
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox_internal._arm_reach(part regclass, upper timestamptz) RETURNS void
-    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+CREATE OR REPLACE FUNCTION outbox_internal._note_reach() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    EXECUTE format('CREATE OR REPLACE TRIGGER outbox_reach BEFORE INSERT ON %s FOR EACH ROW '
-                   'EXECUTE FUNCTION outbox_internal._note_reach(%L)', part, extract(epoch FROM upper)::text);
-    EXECUTE format('ALTER TABLE %s ENABLE ALWAYS TRIGGER outbox_reach', part);
+    IF NOT isfinite(NEW.created_at) THEN  -- no read could bound it
+        RAISE EXCEPTION 'outbox_ext: an event''s created_at must be finite, not %', NEW.created_at
+            USING ERRCODE = 'invalid_datetime_format', HINT = 'outbox.emit writes the transaction''s start.';
+    END IF;
+    IF NOT EXISTS (SELECT FROM outbox._reach r WHERE r.upper > NEW.created_at AND r.upper < 'infinity') THEN
+        INSERT INTO outbox._reach (upper)
+        VALUES (coalesce((SELECT p.upper FROM outbox_internal.partition_ranges p
+                           WHERE p.partition = TG_RELID AND NOT p.is_default AND p.upper > NEW.created_at),
+                         date_trunc('hour', NEW.created_at, 'UTC') + interval '1 hour'));
+    END IF;
+    RETURN NEW;
 END
 $$;
 
@@ -357,26 +379,44 @@ AS $$
 DECLARE
     width interval := (SELECT c.width FROM outbox.partition_config c WHERE c.parent = 'outbox.events'::regclass);
     p     outbox.partitions;
+    bound timestamptz;
     old_timeout text := current_setting('lock_timeout');
 BEGIN
     PERFORM set_config('lock_timeout', '1s', true);
+    -- ALWAYS again where a data-only restore's ENABLE TRIGGER ALL made it fire in origin mode only
+    IF EXISTS (SELECT FROM pg_trigger t WHERE t.tgname = 'outbox_reach' AND t.tgenabled <> 'A'
+                  AND t.tgrelid IN ('outbox.events'::regclass, 'outbox.events_default'::regclass)) THEN
+        BEGIN
+            ALTER TABLE ONLY outbox.events ENABLE ALWAYS TRIGGER outbox_reach;
+            ALTER TABLE outbox.events_default ENABLE ALWAYS TRIGGER outbox_reach;
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            NULL;  -- next run
+        END;
+    END IF;
     FOR p IN SELECT x.* FROM unnest(parts) x
                JOIN pg_trigger t ON t.tgrelid = x.partition AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A'
               WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default AND x.lower < now() + width LOOP
         BEGIN
             EXECUTE format('ALTER TABLE %s DISABLE TRIGGER outbox_reach', p.partition);
-        EXCEPTION WHEN lock_not_available THEN
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
             NULL;  -- emits write there already: it stays on until the next run
         END;
     END LOOP;
     PERFORM set_config('lock_timeout', old_timeout, true);
-    INSERT INTO outbox._reach (upper)
-    SELECT max(x.upper) FROM unnest(parts) x
+    SELECT max(x.upper) INTO bound FROM unnest(parts) x
      WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default
        AND NOT EXISTS (SELECT FROM pg_trigger t  -- on: always
-                        WHERE t.tgrelid = x.partition AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A')
-    HAVING max(x.upper) > coalesce((SELECT max(r.upper) FROM outbox._reach r), '-infinity');
-    DELETE FROM outbox._reach r WHERE r.upper < (SELECT max(s.upper) FROM outbox._reach s);
+                        WHERE t.tgrelid = x.partition AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A');
+    bound := greatest(bound, (SELECT date_trunc('hour', max(e.created_at), 'UTC') + interval '1 hour'
+                                FROM outbox.events e WHERE e.created_at >= coalesce(bound, '-infinity')));
+    IF bound IS NULL THEN
+        RETURN;  -- no partition and no event: nothing to bound yet
+    END IF;
+    INSERT INTO outbox._reach (upper) SELECT bound
+     WHERE NOT EXISTS (SELECT FROM outbox._reach r WHERE r.upper >= bound AND r.upper < 'infinity');
+    DELETE FROM outbox._reach r
+     WHERE r.upper = 'infinity'
+        OR r.upper < (SELECT max(s.upper) FROM outbox._reach s WHERE s.upper < 'infinity');
 END
 $$;
 
@@ -429,9 +469,6 @@ BEGIN
                        outbox_internal._key_column(parent), outbox_internal._bound(parent, hi_at), nsp, part);
     END IF;
     PERFORM outbox_internal._index_partition(parent, format('%I.%I', nsp, part)::regclass);
-    IF parent = 'outbox.events'::regclass THEN
-        PERFORM outbox_internal._arm_reach(format('%I.%I', nsp, part)::regclass, hi_at);
-    END IF;
     EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
                    nsp, rel, nsp, part, outbox_internal._bound(parent, lo_at), outbox_internal._bound(parent, hi_at));
     PERFORM outbox_internal._revoke_all(format('%I.%I', nsp, part)::regclass);
@@ -511,8 +548,6 @@ BEGIN
                 END IF;
                 IF cfg.detach THEN
                     EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', cfg.parent, part);
-                    -- an archive keeps no trigger of ours (it would need the extension)
-                    EXECUTE format('DROP TRIGGER IF EXISTS outbox_reach ON %s', part);
                     RETURN QUERY SELECT 'detached', part, NULL::text;
                 ELSE
                     EXECUTE format('DROP TABLE %s', part);
@@ -608,7 +643,8 @@ BEGIN
         RETURN NEW;  -- CREATE EXTENSION's own row
     END IF;
     DELETE FROM outbox._seals;  -- made before the dump's events arrived: not about them
-    DELETE FROM outbox._reach;  -- likewise; maintain() records it again over every partition
+    -- no bound until maintain() has seen the dump's events (outbox._reach)
+    INSERT INTO outbox._reach (upper) VALUES ('infinity');
     UPDATE outbox._origin
        SET restore_pending = true, restored_at = now(), restorer = pg_backend_pid(),
            restorer_since = (SELECT a.backend_start FROM pg_stat_activity a WHERE a.pid = pg_backend_pid());
@@ -618,35 +654,20 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox_internal._shard_pending(cur outbox._cursor_log, sink outbox.sinks,
-                                                 OUT events bigint, OUT oldest timestamptz)
-    LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
-AS $$
-DECLARE
-    cap       constant int := 500;   -- 16 shards: 8,000 rows a consumer at most
-    floor_seq bigint := outbox_internal._pending_floor(cur);
-    since     timestamptz := outbox_internal._since(floor_seq, outbox_internal._newest_seal());
-    until     timestamptz := outbox_internal._reach();
-    first_seq bigint;
-    last_seq  bigint;
-BEGIN
-    SELECT count(*), min(p.created_at), min(p.seq), max(p.seq) INTO events, oldest, first_seq, last_seq
-      FROM (SELECT e.created_at, e.seq FROM outbox.events e
-             WHERE e.shard = cur.shard AND e.seq > floor_seq AND e.created_at >= since AND e.created_at < until
-               AND outbox_internal._pending(cur, e.txid, e.seq)
-               AND (sink.name IS NULL OR outbox_internal._routes(sink, e.topic, e.aggregate_type))
-             ORDER BY e.seq LIMIT cap) AS p;
-    IF events = cap THEN
-        events := events + (coalesce(pg_sequence_last_value('outbox.event_seq'), last_seq) - last_seq)
-                           * cap / greatest(last_seq - first_seq + 1, cap);
-    END IF;
-END
-$$;
-
-CREATE OR REPLACE TRIGGER outbox_reach BEFORE INSERT ON outbox.events_default
+CREATE OR REPLACE TRIGGER outbox_reach BEFORE INSERT ON outbox.events
     FOR EACH ROW EXECUTE FUNCTION outbox_internal._note_reach();
-ALTER TABLE outbox.events_default ENABLE ALWAYS TRIGGER outbox_reach;
+ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER outbox_reach;
+-- off on the partitions made before: they are covered as a whole (see above)
+DO $reach$
+DECLARE
+    p regclass;
+BEGIN
+    FOR p IN SELECT r.partition FROM outbox_internal.partition_ranges r
+              WHERE r.parent = 'outbox.events'::regclass AND NOT r.is_default LOOP
+        EXECUTE format('ALTER TABLE %s DISABLE TRIGGER outbox_reach', p);
+    END LOOP;
+END
+$reach$;
 
 REVOKE ALL ON outbox._reach FROM PUBLIC;
 GRANT SELECT ON outbox._reach TO outbox_admin;

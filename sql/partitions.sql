@@ -169,9 +169,6 @@ BEGIN
                        outbox_internal._key_column(parent), outbox_internal._bound(parent, hi_at), nsp, part);
     END IF;
     PERFORM outbox_internal._index_partition(parent, format('%I.%I', nsp, part)::regclass);
-    IF parent = 'outbox.events'::regclass THEN
-        PERFORM outbox_internal._arm_reach(format('%I.%I', nsp, part)::regclass, hi_at);
-    END IF;
     EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
                    nsp, rel, nsp, part, outbox_internal._bound(parent, lo_at), outbox_internal._bound(parent, hi_at));
     PERFORM outbox_internal._revoke_all(format('%I.%I', nsp, part)::regclass);
@@ -179,68 +176,82 @@ BEGIN
 END
 $$;
 
--- Reach (outbox._reach, sql/claim.sql): an events partition is made with the trigger that
--- records its upper bound when a row lands in it, and keeps it while its time lies ahead. Then
--- no claim need open it: unless its trigger has fired, no event is there. ALWAYS: a session
--- with session_replication_role = replica fires it too. The default partition's trigger
--- records the hour after the row's created_at. A row costs one index probe while its
--- partition's trigger is on: maintain() turns it off as the partition's time nears
--- (_advance_reach).
+-- Reach (outbox._reach, sql/claim.sql). The trigger outbox_reach is defined on outbox.events,
+-- so PostgreSQL puts it on every partition, whoever makes or attaches it; on while a
+-- partition's time lies ahead, where nothing is written unless a clock ran ahead: no claim
+-- need open such a partition until its trigger has fired. ALWAYS: a session with
+-- session_replication_role = replica (logical replication) fires it too. A row records its
+-- partition's upper bound, or in the default partition (or one without a finite bound) the
+-- hour after its created_at, unless a recorded bound is above it already: an index probe.
+-- maintain() turns a partition's trigger off as its time nears (_advance_reach).
 CREATE OR REPLACE FUNCTION outbox_internal._note_reach() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
-DECLARE
-    reach timestamptz := CASE WHEN TG_NARGS > 0 THEN pg_catalog.to_timestamp(TG_ARGV[0]::float8)
-                              ELSE pg_catalog.date_trunc('hour', NEW.created_at) + interval '1 hour' END;
 BEGIN
-    IF NOT EXISTS (SELECT FROM outbox._reach r WHERE r.upper >= reach) THEN
-        INSERT INTO outbox._reach (upper) VALUES (reach);
+    IF NOT isfinite(NEW.created_at) THEN  -- no read could bound it
+        RAISE EXCEPTION 'outbox_ext: an event''s created_at must be finite, not %', NEW.created_at
+            USING ERRCODE = 'invalid_datetime_format', HINT = 'outbox.emit writes the transaction''s start.';
+    END IF;
+    IF NOT EXISTS (SELECT FROM outbox._reach r WHERE r.upper > NEW.created_at AND r.upper < 'infinity') THEN
+        INSERT INTO outbox._reach (upper)
+        VALUES (coalesce((SELECT p.upper FROM outbox_internal.partition_ranges p
+                           WHERE p.partition = TG_RELID AND NOT p.is_default AND p.upper > NEW.created_at),
+                         date_trunc('hour', NEW.created_at, 'UTC') + interval '1 hour'));
     END IF;
     RETURN NEW;
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox_internal._arm_reach(part regclass, upper timestamptz) RETURNS void
-    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    EXECUTE format('CREATE OR REPLACE TRIGGER outbox_reach BEFORE INSERT ON %s FOR EACH ROW '
-                   'EXECUTE FUNCTION outbox_internal._note_reach(%L)', part, extract(epoch FROM upper)::text);
-    EXECUTE format('ALTER TABLE %s ENABLE ALWAYS TRIGGER outbox_reach', part);
-END
-$$;
-
--- Turn the reach trigger off on the events partitions whose time begins within a width, and
--- record, in the same transaction, the greatest upper bound of a partition whose trigger is
--- off (or absent: made by an earlier version, or restored so): every event lies below it, or
--- in a partition whose trigger records its own. A partition that is in use (lock
--- timeout) keeps its trigger until the next run.
+-- Turn the reach trigger off on the events partitions whose time begins within a width, then
+-- record, in the same transaction, a bound above every event no trigger that is on will
+-- record: the greatest upper bound of a partition whose trigger is off (or not ALWAYS), and
+-- the hour after the latest event beyond it (rows that came in with the trigger off: moved
+-- out of the default partition, restored, attached). That bound replaces 'infinity'. A
+-- partition in use (lock timeout, deadlock) keeps its trigger until the next run.
 CREATE OR REPLACE FUNCTION outbox_internal._advance_reach(parts outbox.partitions[]) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     width interval := (SELECT c.width FROM outbox.partition_config c WHERE c.parent = 'outbox.events'::regclass);
     p     outbox.partitions;
+    bound timestamptz;
     old_timeout text := current_setting('lock_timeout');
 BEGIN
     PERFORM set_config('lock_timeout', '1s', true);
+    -- ALWAYS again where a data-only restore's ENABLE TRIGGER ALL made it fire in origin mode only
+    IF EXISTS (SELECT FROM pg_trigger t WHERE t.tgname = 'outbox_reach' AND t.tgenabled <> 'A'
+                  AND t.tgrelid IN ('outbox.events'::regclass, 'outbox.events_default'::regclass)) THEN
+        BEGIN
+            ALTER TABLE ONLY outbox.events ENABLE ALWAYS TRIGGER outbox_reach;
+            ALTER TABLE outbox.events_default ENABLE ALWAYS TRIGGER outbox_reach;
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            NULL;  -- next run
+        END;
+    END IF;
     FOR p IN SELECT x.* FROM unnest(parts) x
                JOIN pg_trigger t ON t.tgrelid = x.partition AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A'
               WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default AND x.lower < now() + width LOOP
         BEGIN
             EXECUTE format('ALTER TABLE %s DISABLE TRIGGER outbox_reach', p.partition);
-        EXCEPTION WHEN lock_not_available THEN
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
             NULL;  -- emits write there already: it stays on until the next run
         END;
     END LOOP;
     PERFORM set_config('lock_timeout', old_timeout, true);
-    INSERT INTO outbox._reach (upper)
-    SELECT max(x.upper) FROM unnest(parts) x
+    SELECT max(x.upper) INTO bound FROM unnest(parts) x
      WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default
        AND NOT EXISTS (SELECT FROM pg_trigger t  -- on: always
-                        WHERE t.tgrelid = x.partition AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A')
-    HAVING max(x.upper) > coalesce((SELECT max(r.upper) FROM outbox._reach r), '-infinity');
-    DELETE FROM outbox._reach r WHERE r.upper < (SELECT max(s.upper) FROM outbox._reach s);
+                        WHERE t.tgrelid = x.partition AND t.tgname = 'outbox_reach' AND t.tgenabled = 'A');
+    bound := greatest(bound, (SELECT date_trunc('hour', max(e.created_at), 'UTC') + interval '1 hour'
+                                FROM outbox.events e WHERE e.created_at >= coalesce(bound, '-infinity')));
+    IF bound IS NULL THEN
+        RETURN;  -- no partition and no event: nothing to bound yet
+    END IF;
+    INSERT INTO outbox._reach (upper) SELECT bound
+     WHERE NOT EXISTS (SELECT FROM outbox._reach r WHERE r.upper >= bound AND r.upper < 'infinity');
+    DELETE FROM outbox._reach r
+     WHERE r.upper = 'infinity'
+        OR r.upper < (SELECT max(s.upper) FROM outbox._reach s WHERE s.upper < 'infinity');
 END
 $$;
 
@@ -387,8 +398,6 @@ BEGIN
                 END IF;
                 IF cfg.detach THEN
                     EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', cfg.parent, part);
-                    -- an archive keeps no trigger of ours (it would need the extension)
-                    EXECUTE format('DROP TRIGGER IF EXISTS outbox_reach ON %s', part);
                     RETURN QUERY SELECT 'detached', part, NULL::text;
                 ELSE
                     EXECUTE format('DROP TABLE %s', part);
@@ -488,9 +497,9 @@ CREATE TABLE IF NOT EXISTS outbox.events_default PARTITION OF outbox.events DEFA
 CREATE TABLE IF NOT EXISTS inbox.messages_default PARTITION OF inbox.messages DEFAULT;
 SELECT outbox_internal._index_partition('outbox.events', 'outbox.events_default');
 SELECT outbox_internal._index_partition('inbox.messages', 'inbox.messages_default');
-CREATE OR REPLACE TRIGGER outbox_reach BEFORE INSERT ON outbox.events_default
+CREATE OR REPLACE TRIGGER outbox_reach BEFORE INSERT ON outbox.events
     FOR EACH ROW EXECUTE FUNCTION outbox_internal._note_reach();
-ALTER TABLE outbox.events_default ENABLE ALWAYS TRIGGER outbox_reach;
+ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER outbox_reach;
 
 -- Restoring a dump puts its partition_config rows over those CREATE EXTENSION made (a plain
 -- COPY would collide with them); see sql/dump.sql.

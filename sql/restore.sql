@@ -57,7 +57,8 @@ BEGIN
         RETURN NEW;  -- CREATE EXTENSION's own row
     END IF;
     DELETE FROM outbox._seals;  -- made before the dump's events arrived: not about them
-    DELETE FROM outbox._reach;  -- likewise; maintain() records it again over every partition
+    -- no bound until maintain() has seen the dump's events (outbox._reach)
+    INSERT INTO outbox._reach (upper) VALUES ('infinity');
     UPDATE outbox._origin
        SET restore_pending = true, restored_at = now(), restorer = pg_backend_pid(),
            restorer_since = (SELECT a.backend_start FROM pg_stat_activity a WHERE a.pid = pg_backend_pid());

@@ -103,6 +103,61 @@ def test_an_event_beyond_every_partition_is_claimed(db):
     assert sorted(e.aggregate_id for e in Relay(db, "c").drain()) == ["far", "near"]
 
 
+def test_rows_that_came_in_with_the_trigger_off_are_bounded_by_maintain(db):
+    """Rows moved out of the default partition into a partition ahead, with nothing recorded
+    for them (as rows restored or attached with their trigger off): maintain()'s bound covers
+    them."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    one_minute_partitions(db)
+    insert_event_at(db, "far", "40 days")
+    db.execute("DELETE FROM outbox._reach")   # as if its row had never been recorded
+    db.execute("SELECT * FROM outbox.maintain()")
+    part = db.execute("SELECT tableoid::regclass::text FROM outbox.events").fetchone()[0]
+    assert part != "outbox.events_default" and part in armed(db), "moved into a partition ahead"
+    db.execute("SELECT outbox.emit('order', 'near', 'e', '{}')")
+    assert sorted(e.aggregate_id for e in Relay(db, "c").drain()) == ["far", "near"]
+
+
+def test_a_partition_attached_by_hand_records_its_reach(db):
+    db.execute("SELECT outbox.create_consumer('c')")
+    one_minute_partitions(db)
+    db.execute("""DO $$ BEGIN EXECUTE format('CREATE TABLE outbox.events_by_hand PARTITION OF outbox.events
+                      FOR VALUES FROM (%L) TO (%L)', now() + interval '1 day', now() + interval '2 days'); END $$""")
+    assert "outbox.events_by_hand" in armed(db)
+    insert_event_at(db, "by-hand", "25 hours")
+    db.execute("SELECT outbox.emit('order', 'near', 'e', '{}')")
+    assert sorted(e.aggregate_id for e in Relay(db, "c").drain()) == ["by-hand", "near"]
+
+
+def test_an_event_made_before_the_first_bound_does_not_hide_the_others(db):
+    """Until maintain() records a bound, an event recording its own (here an old one, in the
+    default partition) must not become the bound of everything."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    db.execute("DELETE FROM outbox._reach")
+    db.execute("INSERT INTO outbox._reach (upper) VALUES ('infinity')")  # as CREATE EXTENSION leaves it
+    insert_event_at(db, "old", "-40 days")
+    db.execute("SELECT outbox.emit('order', 'now', 'e', '{}')")
+    assert sorted(e.aggregate_id for e in Relay(db, "c").drain()) == ["now", "old"]
+
+
+def test_an_infinite_created_at_is_refused(db):
+    try:
+        db.execute("""INSERT INTO outbox.events (id, aggregate_type, aggregate_id, event_type, payload, created_at, shard)
+                      VALUES (outbox.uuid_v7(), 'order', 'k', 'e', '{}', 'infinity', outbox.shard_of('k'))""")
+        raise AssertionError("an event no read could bound was written")
+    except psycopg.errors.InvalidDatetimeFormat as e:
+        assert "finite" in str(e)
+
+
+def test_maintain_makes_the_default_partitions_trigger_fire_always_again(db):
+    """A data-only restore with --disable-triggers ends with ENABLE TRIGGER ALL, which leaves it
+    firing in origin sessions only (not in logical replication's)."""
+    db.execute("ALTER TABLE outbox.events_default ENABLE TRIGGER outbox_reach")
+    db.execute("SELECT * FROM outbox.maintain()")
+    assert db.execute("""SELECT tgenabled FROM pg_trigger WHERE tgname = 'outbox_reach'
+                          AND tgrelid = 'outbox.events_default'::regclass""").fetchone()[0] == "A"
+
+
 def test_maintain_turns_the_trigger_off_as_a_partitions_time_nears_and_moves_the_reach(db):
     one_minute_partitions(db, ahead=10, width="2 seconds")
     first = reach(db)
@@ -140,8 +195,9 @@ def test_partitions_made_before_the_reach_are_covered_by_it(cluster, new_databas
         db.execute("SELECT * FROM outbox.maintain()")
         db.execute("SELECT outbox.create_consumer('c')")
         db.execute("ALTER EXTENSION outbox_ext UPDATE")
-        insert_event_at(db, "before", "4 days")   # no reach yet: claims read every partition
-        assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["before"]
+        insert_event_at(db, "before", "4 days")   # no bound yet: claims read every partition
+        insert_event_at(db, "old", "-40 days")    # the default partition records its own
+        assert sorted(e.aggregate_id for e in Relay(db, "c").drain()) == ["before", "old"]
         db.execute("SELECT * FROM outbox.maintain()")
         last = db.execute("""SELECT max(upper) FROM outbox.partitions
                               WHERE parent = 'outbox.events'::regclass AND NOT is_default""").fetchone()[0]

@@ -15,6 +15,7 @@ use crate::gucs;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::{AnyArray, JsonB, PgTupleDesc, Uuid};
+use std::ffi::CStr;
 use std::ptr::null_mut;
 
 /// The columns of outbox.events, in order, with their types (sql/events.sql).
@@ -376,13 +377,30 @@ unsafe fn partition_for(parent: pg_sys::Relation, at: pg_sys::TimestampTz) -> Op
     Some(*(*desc).oids.offset(index as isize))
 }
 
-/// Whether writing rows straight into `rel` skips nothing a plain INSERT would do: no triggers
-/// or row security, no CHECK constraints or generated columns.
+/// Whether writing rows straight into `rel` skips nothing a plain INSERT would do: no trigger
+/// that would fire, no row security, no CHECK constraints or generated columns.
 unsafe fn plain_insert_ok(rel: pg_sys::Relation) -> bool {
     let constr = (*(*rel).rd_att).constr;
-    (*rel).trigdesc.is_null()
+    no_trigger_fires(rel)
         && !(*(*rel).rd_rel).relrowsecurity
         && (constr.is_null() || ((*constr).num_check == 0 && !(*constr).has_generated_stored))
+}
+
+/// Whether `rel` has no trigger but the reach trigger (sql/partitions.sql), and that one
+/// fires no row here: it is off on this partition, or `rel` is the partitioned table, whose
+/// row triggers fire on its partitions only. A partition whose reach trigger is on (its time
+/// lies ahead) takes the SQL path, which fires it.
+unsafe fn no_trigger_fires(rel: pg_sys::Relation) -> bool {
+    let desc = (*rel).trigdesc;
+    if desc.is_null() {
+        return true;
+    }
+    let partitioned = (*(*rel).rd_rel).relkind as u8 == pg_sys::RELKIND_PARTITIONED_TABLE;
+    (0..(*desc).numtriggers as usize).all(|i| {
+        let trigger = &*(*desc).triggers.add(i);
+        CStr::from_ptr(trigger.tgname).to_bytes() == b"outbox_reach"
+            && (partitioned || trigger.tgenabled as u8 == b'D')
+    })
 }
 
 /// Whether `rel` is a heap-like table with the events' columns and types, in order, and NOT
