@@ -654,6 +654,14 @@ BEGIN
 END
 $$;
 
+COMMENT ON FUNCTION outbox.maintain() IS
+    'Creates partitions ahead, drops (or detaches) those past retention once every consumer has '
+    'read them, moves rows out of default partitions, seals the past and records how far ahead '
+    'events may lie (claims then skip the partitions they need not read), trims cursor history; '
+    'returns what it did. '
+    'Safe to run concurrently (one runs, the other skips) and from pg_cron: '
+    'SELECT cron.schedule(''outbox-maintain'', ''* * * * *'', ''SELECT * FROM outbox.maintain()'');';
+
 CREATE OR REPLACE TRIGGER outbox_reach BEFORE INSERT ON outbox.events
     FOR EACH ROW EXECUTE FUNCTION outbox_internal._note_reach();
 ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER outbox_reach;

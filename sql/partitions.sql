@@ -7,9 +7,10 @@
 -- Partitions are named <parent>_pYYYYMMDD_HH24MISS after their lower bound in UTC.
 --
 -- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
--- Name resolution (sql/grants.sql): maintain() is [pinned]; the helpers that run dynamic SQL
--- (_create_partition, _partition_pending, _revoke_all, _index_partition) pin search_path too,
--- the others are [parsed]; the view is [parsed].
+-- Name resolution (sql/grants.sql): maintain() and the trigger function _note_reach are
+-- [pinned]; the helpers that run dynamic SQL (_create_partition, _partition_pending,
+-- _revoke_all, _index_partition, _advance_reach) pin search_path too, the others are
+-- [parsed]; the view is [parsed].
 
 CREATE TABLE IF NOT EXISTS outbox.partition_config (
     parent    regclass PRIMARY KEY,
@@ -486,7 +487,9 @@ END
 $$;
 COMMENT ON FUNCTION outbox.maintain() IS
     'Creates partitions ahead, drops (or detaches) those past retention once every consumer has '
-    'read them, moves rows out of default partitions, trims cursor history; returns what it did. '
+    'read them, moves rows out of default partitions, seals the past and records how far ahead '
+    'events may lie (claims then skip the partitions they need not read), trims cursor history; '
+    'returns what it did. '
     'Safe to run concurrently (one runs, the other skips) and from pg_cron: '
     'SELECT cron.schedule(''outbox-maintain'', ''* * * * *'', ''SELECT * FROM outbox.maintain()'');';
 

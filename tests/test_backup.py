@@ -177,7 +177,8 @@ def test_dump_and_restore_bring_everything_back_and_delivery_resumes(cluster, ne
         assert conn.execute("SELECT inbox.claim(message_id, consumer) FROM inbox.messages LIMIT 1").fetchone()[0] is False
         assert "rebased" in [r[0] for r in conn.execute("SELECT * FROM outbox.maintain()").fetchall()]
         assert conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'outbox.events'::regclass"
-                            " AND NOT tgisinternal").fetchone()[0] == 0, "emits write natively again"
+                            " AND NOT tgisinternal AND tgname <> 'outbox_reach'").fetchone()[0] == 0, \
+                "emits write natively again"   # (the reach trigger fires on partitions ahead only)
 
 
 def test_a_schema_only_dump_restores_cleanly(cluster, new_database):
