@@ -189,7 +189,7 @@ CREATE TABLE IF NOT EXISTS outbox._reach (
 );
 -- not unique: emits that land ahead at once must not wait for each other's row
 CREATE INDEX IF NOT EXISTS _reach_upper_idx ON outbox._reach (upper);
-INSERT INTO outbox._reach (upper) SELECT 'infinity' WHERE NOT EXISTS (SELECT FROM outbox._reach);
+INSERT INTO outbox._reach (upper) VALUES ('infinity');  -- no bound until maintain() records one
 
 -- One row of a claimed batch.
 DO $type$
