@@ -245,17 +245,25 @@ def producer_ceiling(bootstrap: str, topic: str, n: int, keys: int) -> float:
 
 
 def kafka_native(conn, tansu, rest_hot: float) -> None:
-    tansu.create_topic("native", partitions=4)
+    """Each run into a topic of its own; the producer ceiling before the first and after the
+    last, the ratios against the higher (the broker's speed drifts over a run)."""
+    def topic(name: str) -> str:
+        tansu.create_topic(name, partitions=4)
+        return name
+
+    ceilings = [producer_ceiling(tansu.bootstrap, topic("ceiling_first"), EVENTS, 100_000)]
     results = {}
     for keys, batch in ((100_000, 1000), (1000, 1000), (100_000, 5000), (1000, 5000)):
         sink = f"native{keys}_{batch}"
         kafka_sink(conn, sink, tansu.bootstrap, batch)
-        fill(conn, EVENTS, topic="native", keys=keys)
+        fill(conn, EVENTS, topic=topic(sink), keys=keys)
         results[keys, batch] = drain(conn, sink, lambda n, s=sink: settled(conn, s, n), EVENTS)
         conn.execute("SELECT outbox.drop_sink(%s)", (sink,))
-    top = producer_ceiling(tansu.bootstrap, "native", EVENTS, 100_000)
+    ceilings.append(producer_ceiling(tansu.bootstrap, topic("ceiling_last"), EVENTS, 100_000))
+    top = max(ceilings)
     print(f"Kafka native (librdkafka into Tansu), {EVENTS:,} events, 4 batches in flight:")
-    print(f"  plain producer ceiling   {top:>10,.0f} events/s   (confluent-kafka, same records, no database)")
+    print(f"  plain producer ceiling   {top:>10,.0f} events/s   (confluent-kafka, same records, no database;"
+          f" {ceilings[0]:,.0f} before the runs, {ceilings[1]:,.0f} after)")
     for (keys, batch), rate in results.items():
         print(f"  outbox_ext, {keys:>7,} keys, batches of {batch:,}  {rate:>10,.0f} events/s   "
               f"worker/ceiling  {rate / top:.2f}x")
