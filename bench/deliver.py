@@ -249,28 +249,33 @@ def producer_ceiling(bootstrap: str, topic: str, n: int, keys: int) -> float:
 
 
 def kafka_native(conn, tansu, rest_hot: float) -> None:
-    """Each run into a topic of its own; the producer ceiling before the first and after the
-    last, the ratios against the higher (the broker's speed drifts over a run)."""
+    """Each run into a topic of its own, between two measurements of the producer ceiling (each
+    into a fresh topic) and taken against the higher of its two: the broker's speed drifts over
+    a run, so a ceiling measured once, far from a run, misstates it."""
     def topic(name: str) -> str:
         tansu.create_topic(name, partitions=4)
         return name
 
-    ceilings = [producer_ceiling(tansu.bootstrap, topic("ceiling_first"), EVENTS, 100_000)]
+    def ceiling(i: int) -> float:
+        return producer_ceiling(tansu.bootstrap, topic(f"ceiling{i}"), EVENTS, 100_000)
+
+    runs = ((100_000, 1000), (1000, 1000), (100_000, 5000), (1000, 5000))
+    ceilings = [ceiling(0)]
     results = {}
-    for keys, batch in ((100_000, 1000), (1000, 1000), (100_000, 5000), (1000, 5000)):
+    for i, (keys, batch) in enumerate(runs, start=1):
         sink = f"native{keys}_{batch}"
         kafka_sink(conn, sink, tansu.bootstrap, batch)
         fill(conn, EVENTS, topic=topic(sink), keys=keys)
         results[keys, batch] = drain(conn, sink, lambda n, s=sink: settled(conn, s, n), EVENTS)
         conn.execute("SELECT outbox.drop_sink(%s)", (sink,))
-    ceilings.append(producer_ceiling(tansu.bootstrap, topic("ceiling_last"), EVENTS, 100_000))
-    top = max(ceilings)
+        ceilings.append(ceiling(i))
     print(f"Kafka native (librdkafka into Tansu), {EVENTS:,} events, 4 batches in flight:")
-    print(f"  plain producer ceiling   {top:>10,.0f} events/s   (confluent-kafka, same records, no database;"
-          f" {ceilings[0]:,.0f} before the runs, {ceilings[1]:,.0f} after)")
-    for (keys, batch), rate in results.items():
+    print("  plain producer ceiling (confluent-kafka, same records, no database), before, between and after the runs:")
+    print("   " + ", ".join(f"{c:,.0f}" for c in ceilings) + " events/s")
+    for i, ((keys, batch), rate) in enumerate(results.items()):
+        top = max(ceilings[i], ceilings[i + 1])
         print(f"  outbox_ext, {keys:>7,} keys, batches of {batch:,}  {rate:>10,.0f} events/s   "
-              f"worker/ceiling  {rate / top:.2f}x")
+              f"worker/ceiling  {rate / top:.2f}x  (against {top:,.0f})")
     for batch in (1000, 5000):
         print(f"  batches of {batch:,}: hot keys / 100,000 keys  "
               f"{results[1000, batch] / results[100_000, batch]:.2f}x;   "
