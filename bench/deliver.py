@@ -215,15 +215,48 @@ def left(conn, sink: str) -> int:
     return conn.execute("SELECT pending FROM outbox.status WHERE consumer = %s", (sink,)).fetchone()[0]
 
 
-def settled(conn, sink: str, n: int) -> dict:
-    """Waits until the sink has delivered its n-event backlog (each record acked by the broker,
-    acks=all and settled); the first time progress showed and the time none was left."""
-    first = None
+def native_drain(conn, tansu, sink: str, batch: int, keys: int) -> float:
+    """events/s of a native Kafka sink draining an EVENTS backlog into its own topic. The sink
+    is started first (its producer id, the topic's metadata: one event delivered), as the
+    ceiling's producer is before its clock; the backlog is committed at once (one transaction)
+    and timed from its first record's CreateTime (the producer's clock, this machine's) to
+    the poll that finds none left to settle."""
+    conn.execute("SELECT outbox.create_sink(%s, 'kafka', %s, batch_size => %s, concurrency => 4)",
+                 (sink, f"kafka://{tansu.bootstrap}", batch))
+    conn.execute("SELECT outbox.emit('order', 'warm-up', 'order.created', '{}', NULL, %s)", (sink,))
+    while left(conn, sink):
+        time.sleep(0.05)
+    with conn.transaction():
+        fill(conn, EVENTS, topic=sink, keys=keys)
+    seen = None   # when a poll first saw progress
     while (pending := left(conn, sink)) > 0:
-        if first is None and pending < n:
-            first = time.time()
-        time.sleep(0.05)   # status costs a few ms: polled faster, it would slow the drain
-    return {"first": first or time.time(), "last": time.time()}
+        if seen is None and pending < EVENTS:
+            seen = time.time()
+        # status costs up to 10 ms with a big backlog: polled every 50 ms it would take a
+        # third of a core from the drain it times. So each poll waits a third of the time the
+        # rate so far leaves: a few polls in all, the last ones 10 ms apart
+        rest = pending * (time.time() - seen) / (EVENTS - pending) if seen else 0.15
+        time.sleep(min(0.5, max(0.01, rest / 3)))
+    last = time.time()
+    conn.execute("SELECT outbox.drop_sink(%s)", (sink,))
+    return EVENTS / (last - first_record_at(tansu, sink, skip_key=b"warm-up"))
+
+
+def first_record_at(tansu, topic: str, skip_key: bytes, partitions: int = 4) -> float:
+    """The earliest CreateTime of the topic's records, but for those of skip_key."""
+    from confluent_kafka import Consumer, TopicPartition
+    consumer = Consumer({"bootstrap.servers": tansu.bootstrap, "group.id": f"first-{topic}",
+                         "enable.auto.commit": False})
+    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    firsts, deadline = {}, time.monotonic() + 10
+    try:
+        while len(firsts) < partitions and time.monotonic() < deadline:
+            m = consumer.poll(0.2)
+            if m is not None and not m.error() and m.key() != skip_key:
+                firsts.setdefault(m.partition(), m.timestamp()[1] / 1000)
+    finally:
+        consumer.close()
+    return min(firsts.values())
 
 
 def producer_ceiling(bootstrap: str, topic: str, n: int, keys: int) -> float:
@@ -264,10 +297,7 @@ def kafka_native(conn, tansu, rest_hot: float) -> None:
     results = {}
     for i, (keys, batch) in enumerate(runs, start=1):
         sink = f"native{keys}_{batch}"
-        kafka_sink(conn, sink, tansu.bootstrap, batch)
-        fill(conn, EVENTS, topic=topic(sink), keys=keys)
-        results[keys, batch] = drain(conn, sink, lambda n, s=sink: settled(conn, s, n), EVENTS)
-        conn.execute("SELECT outbox.drop_sink(%s)", (sink,))
+        results[keys, batch] = native_drain(conn, tansu, topic(sink), batch, keys)
         ceilings.append(ceiling(i))
     print(f"Kafka native (librdkafka into Tansu), {EVENTS:,} events, 4 batches in flight:")
     print("  plain producer ceiling (confluent-kafka, same records, no database), before, between and after the runs:")
