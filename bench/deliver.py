@@ -203,11 +203,12 @@ def kafka(conn) -> None:
     tansu.close()
 
 
-def kafka_sink(conn, name: str, bootstrap: str, batch_size: int = 1000) -> None:
-    """A native Kafka sink, created disabled."""
+def kafka_sink(conn, name: str, bootstrap: str, batch_size: int = 1000, enabled: bool = False) -> None:
+    """A native Kafka sink, 4 batches in flight; created disabled unless `enabled`."""
     conn.execute("SELECT outbox.create_sink(%s, 'kafka', %s, batch_size => %s, concurrency => 4)",
                  (name, f"kafka://{bootstrap}", batch_size))
-    conn.execute("UPDATE outbox.sinks SET enabled = false WHERE name = %s", (name,))
+    if not enabled:
+        conn.execute("UPDATE outbox.sinks SET enabled = false WHERE name = %s", (name,))
 
 
 def left(conn, sink: str) -> int:
@@ -221,8 +222,7 @@ def native_drain(conn, tansu, sink: str, batch: int, keys: int) -> float:
     ceiling's producer is before its clock; the backlog is committed at once (one transaction)
     and timed from its first record's CreateTime (the producer's clock, this machine's) to
     the poll that finds none left to settle."""
-    conn.execute("SELECT outbox.create_sink(%s, 'kafka', %s, batch_size => %s, concurrency => 4)",
-                 (sink, f"kafka://{tansu.bootstrap}", batch))
+    kafka_sink(conn, sink, tansu.bootstrap, batch, enabled=True)
     conn.execute("SELECT outbox.emit('order', 'warm-up', 'order.created', '{}', NULL, %s)", (sink,))
     while left(conn, sink):
         time.sleep(0.05)
@@ -269,8 +269,8 @@ def producer_ceiling(bootstrap: str, topic: str, n: int, keys: int) -> float:
     records = [(str(i % keys).encode(), json.dumps({"customer": f"c{i}", "total": i}).encode())
                for i in range(n)]
     headers = [("outbox-id", b"0190f3c2-7d4e-7c4a-9d5e-3f1a2b3c4d5e"), ("outbox-event-type", b"order.created")]
-    # started before the clock (its producer id, the topic's metadata), as the worker's sink is
-    # before drain's first event
+    # started before the clock (its producer id, the topic's metadata), as native_drain starts
+    # the worker's sink before the backlog
     producer.produce(topic, key=b"warm-up", value=b"{}")
     assert producer.flush(30) == 0
     t0 = time.monotonic()
