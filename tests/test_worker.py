@@ -1,6 +1,7 @@
-"""The background worker, as real processes: it waits quietly for CREATE EXTENSION, runs
-outbox.maintain() on its schedule, comes back after being killed or after a restart of the
-server, follows outbox_ext.databases on SIGHUP, and shows itself in pg_stat_activity."""
+"""The background worker, as real processes: it waits quietly for CREATE EXTENSION (and, after
+a library upgrade, for ALTER EXTENSION UPDATE), runs outbox.maintain() on its schedule, comes
+back after being killed or after a restart of the server, follows outbox_ext.databases on
+SIGHUP, and shows itself in pg_stat_activity."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 
 import pytest
 
-from sinks import wait_for
+from sinks import Receiver, check_delivery, create_sink, wait_for
+from test_upgrade import NEW, RELEASED
 
 
 def worker_pid(cluster, db: str = "worker_db"):
@@ -53,6 +55,40 @@ def test_waits_quietly_for_create_extension_then_runs_maintenance(cluster, worke
             return row is not None and row[0] != "outbox.events_default"
         wait_for(moved, timeout=15)
     assert "outbox_ext maintain: moved" in cluster.log()[log_start:]
+
+
+def test_an_extension_older_than_its_library_waits_for_alter_extension_update(cluster, worker_db):
+    """After a library upgrade the SQL is still the old version's until ALTER EXTENSION UPDATE:
+    the worker says so once and leaves the database alone; emit goes on, and the update
+    brings delivery back with nothing lost and each key in order."""
+    old = RELEASED[-1]
+    receiver = Receiver()
+    log_start = len(cluster.log())
+    try:
+        with cluster.connect(worker_db) as db:
+            db.execute(f"CREATE EXTENSION outbox_ext VERSION '{old}'")
+            db.execute("SELECT * FROM outbox.maintain()")
+            create_sink(db, "hook", "webhook", receiver.url)
+            emitted = {f"k{k}": [str(db.execute("SELECT outbox.emit('order', %s, 'e', %s)",
+                                                (f"k{k}", f'{{"i": {i}}}')).fetchone()[0])
+                                 for i in range(5)] for k in range(4)}
+            said = f'"worker_db" has outbox_ext {old} and the library is {NEW}'
+            wait_for(lambda: said in cluster.log()[log_start:])
+            wait_for(lambda: db.execute("SELECT query FROM pg_stat_activity WHERE pid = %s",
+                                        (worker_pid(cluster),)).fetchone()[0]
+                     == "waiting for ALTER EXTENSION outbox_ext UPDATE")
+            time.sleep(2)
+            assert receiver.accepted_events() == [], "delivered through SQL of another version"
+            log = cluster.log()[log_start:]
+            assert log.count(said) == 1, "said once"
+            assert "HINT:  Run ALTER EXTENSION outbox_ext UPDATE in \"worker_db\"." in log
+            assert "ERROR" not in log
+
+            db.execute("ALTER EXTENSION outbox_ext UPDATE")
+            wait_for(lambda: len(receiver.accepted_events()) >= 20)
+            check_delivery(emitted, receiver.accepted_events())
+    finally:
+        receiver.close()
 
 
 def test_shows_itself_in_pg_stat_activity(cluster, worker_db):

@@ -3,8 +3,10 @@
 //! A launcher, started by the postmaster when outbox_ext is in shared_preload_libraries,
 //! starts one worker per database named in `outbox_ext.databases` and starts it again
 //! whenever it stops (killed, crashed, or its database appeared late). A worker waits quietly
-//! until CREATE EXTENSION has run in its database, then delivers events to the sinks of
-//! outbox.sinks (`dispatch`) and runs outbox.maintain() every `outbox_ext.maintain_interval`.
+//! until CREATE EXTENSION has run in its database (and, after a library upgrade, until ALTER
+//! EXTENSION UPDATE has brought the SQL to the library's version), then delivers events to
+//! the sinks of outbox.sinks (`dispatch`) and runs outbox.maintain() every
+//! `outbox_ext.maintain_interval`.
 //! It is woken at commit by emit (`wake`). Both reload their settings on SIGHUP and stop on
 //! SIGTERM. A failed statement is logged and retried; anything worse ends the worker with an
 //! ERROR in the log, and the launcher starts it again.
@@ -22,15 +24,19 @@ use pgrx::bgworkers::{
     BackgroundWorker, BackgroundWorkerBuilder, BackgroundWorkerStatus, DynamicBackgroundWorker,
     SignalWakeFlags,
 };
+use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
+use pgrx::{PgLogLevel, PgSqlErrorCode};
 use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
 use std::time::{Duration, Instant};
 
 /// How often the launcher looks at its workers (it is also woken when one stops).
 const LAUNCHER_NAP: Duration = Duration::from_secs(5);
-/// How often a worker looks for CREATE EXTENSION in its database.
+/// How often a worker looks for CREATE EXTENSION (or UPDATE) in its database.
 const EXTENSION_CHECK: Duration = Duration::from_secs(1);
+/// The extension version whose SQL this library's worker runs.
+const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// Registers the launcher; a no-op unless loaded through shared_preload_libraries.
 pub fn init() {
@@ -183,22 +189,24 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
     log!("outbox_ext worker started for database \"{db}\"");
     report_activity("idle");
     let mut next_maintain = Instant::now();
-    let mut installed = false;
-    let mut said_waiting = false;
+    let mut ready = false;
+    let mut said: Option<Extension> = None; // what it last said while waiting
     while delivery.wait(next_maintain) {
         if reload_on_sighup() {
             delivery.reload_soon();
         }
-        if !installed {
-            installed = extension_installed();
-            if !installed {
-                if !said_waiting {
-                    log!("outbox_ext worker: waiting for CREATE EXTENSION outbox_ext in \"{db}\"");
-                    said_waiting = true;
+        if !ready {
+            let found = extension();
+            ready = found == Extension::Ready;
+            if !ready {
+                if said.as_ref() != Some(&found) {
+                    say_waiting(&db, &found);
+                    said = Some(found);
                 }
                 next_maintain = Instant::now() + EXTENSION_CHECK; // also when to look again
                 continue;
             }
+            said = None;
             next_maintain = Instant::now(); // at once: CREATE EXTENSION makes no partitions
         }
         if Instant::now() >= next_maintain {
@@ -207,8 +215,8 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
         }
         // last: it reports what the worker is doing in pg_stat_activity
         if let Err(e) = delivery.run() {
-            installed = extension_installed();
-            if installed {
+            ready = extension() == Extension::Ready;
+            if ready {
                 warning!("outbox_ext worker: {e}");
             }
         }
@@ -222,8 +230,55 @@ fn take_database_lock() -> bool {
     ask("SELECT pg_catalog.pg_try_advisory_lock(pg_catalog.hashtext('outbox_ext worker'))")
 }
 
-fn extension_installed() -> bool {
-    ask("SELECT EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext')")
+/// What the worker's database holds of outbox_ext.
+#[derive(PartialEq)]
+enum Extension {
+    /// no CREATE EXTENSION yet, or it was dropped
+    Missing,
+    /// another version than this library's: the worker's statements are written for the SQL
+    /// of its own version, which ALTER EXTENSION UPDATE installs (a library upgrade comes
+    /// first, and the server runs the new library from its restart on)
+    OtherVersion(String),
+    Ready,
+}
+
+fn extension() -> Extension {
+    let version = session::in_transaction(|| {
+        Spi::get_one::<String>(
+            "SELECT extversion FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext'",
+        )
+    });
+    match version {
+        Ok(Ok(Some(v))) if v == LIBRARY_VERSION => Extension::Ready,
+        Ok(Ok(Some(v))) => Extension::OtherVersion(v),
+        _ => Extension::Missing, // no answer is no extension, as before it is created
+    }
+}
+
+/// Says, once per state, why the worker is not delivering, and shows it in pg_stat_activity.
+fn say_waiting(db: &str, found: &Extension) {
+    match found {
+        Extension::OtherVersion(v) => {
+            ErrorReport::new(
+                PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+                format!(
+                    "outbox_ext worker: \"{db}\" has outbox_ext {v} and the library is \
+                     {LIBRARY_VERSION}: nothing is delivered or maintained there until the \
+                     extension is updated"
+                ),
+                "outbox_ext",
+            )
+            .set_hint(format!(
+                "Run ALTER EXTENSION outbox_ext UPDATE in \"{db}\"."
+            ))
+            .report(PgLogLevel::WARNING);
+            report_activity("waiting for ALTER EXTENSION outbox_ext UPDATE");
+        }
+        _ => {
+            log!("outbox_ext worker: waiting for CREATE EXTENSION outbox_ext in \"{db}\"");
+            report_activity("idle");
+        }
+    }
 }
 
 /// A yes/no question to the database, in a transaction of its own; no answer is a no.
