@@ -12,6 +12,7 @@ import psycopg
 
 from relay import Relay
 from test_maintain import insert_event_at
+from test_seals import partitions_scanned
 
 AHEAD = 20  # one-minute partitions made ahead
 
@@ -41,20 +42,8 @@ def armed(db) -> list[str]:
 
 
 def scanned_ahead(db, sql: str, *args) -> int:
-    """How many partitions a minute or more ahead of now sql's scans visit (in a transaction
-    rolled back; pg_stat_xact_user_tables counts them, once earlier transactions' counts are
-    flushed)."""
-    db.execute("SELECT pg_stat_force_next_flush()")
-    db.execute("BEGIN")
-    try:
-        db.execute(sql, args)
-        return db.execute("""SELECT count(*) FROM pg_stat_xact_user_tables t
-                              JOIN outbox.partitions p ON p.partition = t.relid
-                             WHERE p.parent = 'outbox.events'::regclass AND NOT p.is_default
-                               AND p.lower >= now() + interval '1 minute'
-                               AND t.idx_scan + t.seq_scan > 0""").fetchone()[0]
-    finally:
-        db.execute("ROLLBACK")
+    """How many partitions a minute or more ahead of now sql's scans visit."""
+    return partitions_scanned(db, "p.lower >= now() + interval '1 minute'", sql, *args)
 
 
 def test_claims_settles_and_status_skip_the_partitions_ahead_of_the_reach(db):

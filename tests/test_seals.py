@@ -20,20 +20,26 @@ def make_old_partitions(db) -> None:
                     FROM generate_series(1, %s) g""", (OLD,))
 
 
-def scanned_old_partitions(db, sql: str, *args) -> int:
-    """How many of the old partitions sql's index scans visit (it runs in a transaction that is
-    rolled back; pg_stat_xact_user_tables counts its index scans per partition, once the
-    counts of earlier transactions, which it shows until they are flushed, are)."""
+def partitions_scanned(db, which: str, sql: str, *args) -> int:
+    """How many event partitions that `which` (a condition on p, a row of outbox.partitions)
+    picks sql's scans visit (it runs in a transaction that is rolled back;
+    pg_stat_xact_user_tables counts its scans per partition, once the counts of earlier
+    transactions, which it shows until they are flushed, are)."""
     db.execute("SELECT pg_stat_force_next_flush()")   # flushed as the session goes idle
     db.execute("BEGIN")
     try:
         db.execute(sql, args)
-        return db.execute("""SELECT count(*) FROM pg_stat_xact_user_tables t
-                              JOIN outbox.partitions p ON p.partition = t.relid
-                             WHERE p.parent = 'outbox.events'::regclass AND NOT p.is_default
-                               AND p.upper <= date_trunc('day', now()) AND t.idx_scan > 0""").fetchone()[0]
+        return db.execute(f"""SELECT count(*) FROM pg_stat_xact_user_tables t
+                               JOIN outbox.partitions p ON p.partition = t.relid
+                              WHERE p.parent = 'outbox.events'::regclass AND NOT p.is_default
+                                AND ({which}) AND t.idx_scan + t.seq_scan > 0""").fetchone()[0]
     finally:
         db.execute("ROLLBACK")
+
+
+def scanned_old_partitions(db, sql: str, *args) -> int:
+    """How many of the old partitions (before today's) sql's scans visit."""
+    return partitions_scanned(db, "p.upper <= date_trunc('day', now())", sql, *args)
 
 
 def read_past_everything(db, relay: Relay) -> None:
