@@ -210,6 +210,12 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
             next_maintain = Instant::now(); // at once: CREATE EXTENSION makes no partitions
         }
         if Instant::now() >= next_maintain {
+            // looked at again on maintain's schedule: an UPDATE run while the server still runs
+            // the library of before it shows here
+            if extension() != Extension::Ready {
+                ready = false;
+                continue;
+            }
             maintain();
             next_maintain = Instant::now() + gucs::maintain_interval();
         }
