@@ -10,7 +10,7 @@ from datetime import timedelta
 from relay import Relay
 from sinks import wait_for
 
-OLD = 30  # hourly partitions before today's
+OLD = 20  # hourly partitions before today's: inside the 2-day retention at any hour
 
 
 def make_old_partitions(db) -> None:
