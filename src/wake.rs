@@ -1,6 +1,11 @@
-//! Wake-at-commit. emit marks its transaction; when that transaction commits, its backend sets
-//! the latch of the worker serving the database, so delivery starts at once instead of on the
-//! next poll. The worker publishes its PGPROC in a small shared table, one slot per database.
+//! Which worker serves each database, and wake-at-commit.
+//!
+//! A small shared table holds one slot per database: the worker that claims it serves that
+//! database, and a second worker started for it (a restarted launcher starts new ones) leaves.
+//! Only workers write the table, so no session can keep workers out of a database (an
+//! advisory lock, which any role may take, could). emit marks its transaction; when that
+//! transaction commits, its backend sets the latch of the slot's worker, so delivery starts at
+//! once instead of on the next poll.
 //!
 //! Only active when outbox_ext is in shared_preload_libraries (the shared table needs it).
 //! Prepared transactions are not woken for (their COMMIT PREPARED may run anywhere); the
@@ -8,26 +13,32 @@
 
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, pg_sys, PGRXSharedMemory, PgAtomic};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicUsize, Ordering};
 
 /// Databases served by workers at once: more than any cluster has workers for.
 const SLOTS: usize = 64;
 
 struct Slot {
     database: AtomicU32,
+    /// The pid of the worker serving the database, or 0 when none does.
+    pid: AtomicI32,
     /// The worker's PGPROC (shared memory, same address in every process), or 0.
     proc: AtomicUsize,
 }
 
 pub struct Workers {
+    /// Held while a worker claims or releases a slot (workers only, a few times a life).
+    claiming: AtomicBool,
     slots: [Slot; SLOTS],
 }
 
 impl Default for Workers {
     fn default() -> Self {
         Workers {
+            claiming: AtomicBool::new(false),
             slots: std::array::from_fn(|_| Slot {
                 database: AtomicU32::new(0),
+                pid: AtomicI32::new(0),
                 proc: AtomicUsize::new(0),
             }),
         }
@@ -92,26 +103,69 @@ fn wake_worker(database: u32) {
     }
 }
 
-/// Called by a worker: emits in its database wake it from now on.
-pub fn register_worker() {
+/// Called by a worker once connected: true if it now serves its database (and emits there wake
+/// it), false if another worker already does. The slot is let go when the worker exits, however
+/// it exits (a crash that skips this resets shared memory).
+pub fn claim_database() -> bool {
     if !SHARED.load(Ordering::Relaxed) {
-        return;
+        return true; // not preloaded: no launcher either, so no second worker
     }
     let database = unsafe { pg_sys::MyDatabaseId }.to_u32();
-    let me = unsafe { pg_sys::MyProc } as usize;
-    let slots = &WORKERS.get().slots;
-    let slot = slots
-        .iter()
-        .find(|s| s.database.load(Ordering::Acquire) == database)
-        .or_else(|| {
-            slots.iter().find(|s| {
-                s.database
-                    .compare_exchange(0, database, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-            })
-        });
-    match slot {
-        Some(slot) => slot.proc.store(me, Ordering::Release),
-        None => warning!("outbox_ext: no free wake-up slot; this worker relies on polling"),
+    let me = unsafe { pg_sys::MyProcPid };
+    let claimed = while_claiming(|slots| {
+        // this database's slot, else a slot no worker holds
+        let slot = slots
+            .iter()
+            .find(|s| s.database.load(Ordering::Acquire) == database)
+            .or_else(|| slots.iter().find(|s| s.pid.load(Ordering::Acquire) == 0))?;
+        if slot.pid.load(Ordering::Acquire) != 0 {
+            return Some(false);
+        }
+        slot.database.store(database, Ordering::Release);
+        slot.proc
+            .store(unsafe { pg_sys::MyProc } as usize, Ordering::Release);
+        slot.pid.store(me, Ordering::Release);
+        Some(true)
+    });
+    match claimed {
+        Some(true) => {
+            unsafe { pg_sys::before_shmem_exit(Some(release_database), pg_sys::Datum::from(0)) };
+            true
+        }
+        Some(false) => false,
+        None => {
+            warning!(
+                "outbox_ext: more than {SLOTS} databases have workers; this one is not served"
+            );
+            false
+        }
     }
+}
+
+/// Lets go of the slot this worker holds: another worker may serve its database now.
+#[pg_guard]
+unsafe extern "C-unwind" fn release_database(_code: std::ffi::c_int, _arg: pg_sys::Datum) {
+    let me = unsafe { pg_sys::MyProcPid };
+    while_claiming(|slots| {
+        for slot in slots.iter().filter(|s| s.pid.load(Ordering::Acquire) == me) {
+            slot.proc.store(0, Ordering::Release);
+            slot.pid.store(0, Ordering::Release);
+        }
+    });
+}
+
+/// Runs `f` on the slots with no other worker claiming or releasing at the same time. `f` only
+/// reads and writes the atomics: nothing in it can raise an ERROR and leave the table held.
+fn while_claiming<T>(f: impl FnOnce(&[Slot; SLOTS]) -> T) -> T {
+    let workers = WORKERS.get();
+    while workers
+        .claiming
+        .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+        .is_err()
+    {
+        std::thread::yield_now();
+    }
+    let result = f(&workers.slots);
+    workers.claiming.store(false, Ordering::Release);
+    result
 }

@@ -178,14 +178,13 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     let db = BackgroundWorker::get_extra().to_owned();
     session::connect(&db, &gucs::worker_role());
-    if !take_database_lock() {
+    if !wake::claim_database() {
         return; // another worker serves this database (a launcher restarted); leave it be
     }
     let mut delivery = match Delivery::new(metrics::Metrics::start(&db)) {
         Ok(delivery) => delivery,
         Err(e) => error!("outbox_ext worker: cannot start its delivery threads: {e}"),
     };
-    wake::register_worker();
     log!("outbox_ext worker started for database \"{db}\"");
     report_activity("idle");
     let mut next_maintain = Instant::now();
@@ -229,11 +228,6 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
     }
     delivery.shut_down();
     log!("outbox_ext worker for \"{db}\" stopping");
-}
-
-/// One worker per database: a session advisory lock, held for the worker's life.
-fn take_database_lock() -> bool {
-    ask("SELECT pg_catalog.pg_try_advisory_lock(pg_catalog.hashtext('outbox_ext worker'))")
 }
 
 /// What the worker's database holds of outbox_ext.
@@ -285,15 +279,6 @@ fn say_waiting(db: &str, found: &Extension) {
             report_activity("idle");
         }
     }
-}
-
-/// A yes/no question to the database, in a transaction of its own; no answer is a no.
-fn ask(query: &'static str) -> bool {
-    session::in_transaction(|| Spi::get_one::<bool>(query))
-        .ok()
-        .and_then(Result::ok)
-        .flatten()
-        .unwrap_or(false)
 }
 
 /// Runs outbox.maintain() in a transaction of its own and logs what it did.
