@@ -79,7 +79,8 @@ pub fn init() {
         &MAX_PAYLOAD_BYTES,
         0,
         i32::MAX,
-        GucContext::Userset,
+        // a limit the operator sets for producers: one they could raise for themselves would be none
+        GucContext::Suset,
         GucFlags::UNIT_BYTE,
     );
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"outbox_ext".as_ptr()) };

@@ -27,6 +27,8 @@ def test_producer_can_emit(connect, db):
     "SELECT outbox_internal._batch_ids('a', 'e', NULL, NULL, ARRAY['1'], 1)",
     # writes without the executor's permission checks: only emit_many (its owner) may call it
     "SELECT outbox_internal._insert_many('a', 'e', NULL, NULL, ARRAY['1'], ARRAY['{}'::jsonb])",
+    # the payload limit is the operator's, not the producer's to raise
+    "SET outbox_ext.max_payload_bytes = '1GB'",
 ])
 def test_producer_cannot_read_or_touch_events_or_internals(connect, db, sql):
     db.execute("SELECT outbox.emit('a', '1', 'e', '{\"secret\": 1}')")
