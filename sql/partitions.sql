@@ -327,6 +327,19 @@ BEGIN
 END
 $$;
 
+-- Which inbox rows of the default partition maintain() moves into partitions, as a WHERE
+-- clause: UUIDv7 ids of the time it keeps partitions for (retention back, ahead forward).
+-- Callers of inbox.claim choose the ids: a partition per distinct day of theirs would let any
+-- of them make one run create thousands (out of shared memory, on every run). The rest, and ids
+-- that are not UUIDv7 (no time), stay in the default partition, deduplicated there, and are
+-- forgotten retention after they were received; a future id moves once its time is in reach.
+CREATE OR REPLACE FUNCTION outbox_internal._inbox_ids_to_move(cfg outbox.partition_config) RETURNS text
+    LANGUAGE sql STABLE
+    RETURN pg_catalog.format(
+        'WHERE substr(message_id::text, 15, 1) = ''7'' AND message_id >= %L AND message_id < %L',
+        inbox.uuid_at(outbox_internal._floor_time(pg_catalog.now() - cfg.retention, cfg.width)),
+        inbox.uuid_at(outbox_internal._floor_time(pg_catalog.now(), cfg.width) + cfg.width * (cfg.ahead + 1)));
+
 CREATE OR REPLACE FUNCTION outbox.maintain()
 RETURNS TABLE (action text, relation text, detail text)
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
@@ -349,10 +362,13 @@ BEGIN
     IF pg_is_in_recovery() THEN
         RETURN;  -- a replica follows its primary's maintenance
     END IF;
-    IF NOT pg_try_advisory_xact_lock(hashtext('outbox.maintain')) THEN
+    BEGIN  -- one run at a time, under a lock that no other role can hold (any role can hold
+           -- an advisory lock, or a weaker table lock: a statement it may PREPARE takes one)
+        LOCK TABLE outbox.partition_config IN SHARE UPDATE EXCLUSIVE MODE NOWAIT;
+    EXCEPTION WHEN lock_not_available THEN
         RETURN QUERY SELECT 'skipped', NULL::text, 'another outbox.maintain() is running';
         RETURN;
-    END IF;
+    END;
     IF outbox_internal._restore_running() THEN  -- its partitions would collide with the dump's
         RETURN QUERY SELECT 'skipped', NULL::text, 'a restore into this database is running';
         RETURN;
@@ -421,13 +437,12 @@ BEGIN
             changed := false;
         END IF;
         -- 2. rows that landed in the default partition: report them, move them into partitions
-        --    (inbox ids that are not UUIDv7 carry no time: they stay, and age out by received_at)
         FOR lo_at IN EXECUTE format(
                 'SELECT DISTINCT outbox_internal._floor_time(%s, %L) FROM %s %s',
                 outbox_internal._key_time(cfg.parent), cfg.width,
                 (SELECT d.partition FROM unnest(parts) d WHERE d.parent = cfg.parent AND d.is_default),
                 CASE WHEN cfg.parent = 'inbox.messages'::regclass
-                     THEN 'WHERE substr(message_id::text, 15, 1) = ''7''' ELSE '' END)
+                     THEN outbox_internal._inbox_ids_to_move(cfg) ELSE '' END)
         LOOP
             created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
             IF created IS NOT NULL THEN

@@ -106,15 +106,19 @@ END
 $$;
 
 -- Whether the backend that restored the dump's _origin row still runs (a restore not made in
--- one transaction goes on loading after it), or a pg_restore is connected to this database.
+-- one transaction goes on loading after it), or a pg_restore is connected to this database as
+-- a role that can write the outbox's tables (any role can call itself pg_restore: counting it
+-- would let it make maintain() skip for as long as it stays connected).
 CREATE OR REPLACE FUNCTION outbox_internal._restore_running() RETURNS boolean
     LANGUAGE sql STABLE
     RETURN EXISTS (SELECT FROM pg_catalog.pg_stat_activity a, outbox._origin o
                     WHERE a.pid = o.restorer AND a.backend_start = o.restorer_since
                       AND a.pid <> pg_catalog.pg_backend_pid())
-        OR EXISTS (SELECT FROM pg_catalog.pg_stat_activity a
+        OR EXISTS (SELECT FROM pg_catalog.pg_stat_activity a, pg_catalog.pg_class c
                     WHERE a.datname = pg_catalog.current_database() AND a.application_name = 'pg_restore'
-                      AND a.pid <> pg_catalog.pg_backend_pid());
+                      AND a.pid <> pg_catalog.pg_backend_pid()
+                      AND c.oid = 'outbox.events'::regclass
+                      AND pg_catalog.pg_has_role(a.usesysid, c.relowner, 'MEMBER'));
 
 -- Every cursor: its batch out at dump time (lease, parked heads) comes again, and it reads the
 -- dump's events in the dump's ids, then the rest (see the header). Marks go: their xids are the

@@ -18,8 +18,22 @@ CREATE SCHEMA IF NOT EXISTS outbox_internal;
 DO $roles$
 DECLARE
     r text;
+    admin text;
 BEGIN
     FOREACH r IN ARRAY ARRAY['outbox_producer', 'outbox_relay', 'outbox_admin', 'outbox_worker'] LOOP
+        -- a role that is not a superuser and may grant r (on PostgreSQL 16 and later, whoever
+        -- made r with CREATEROLE keeps that): it could take r's privileges whenever it liked
+        SELECT g.rolname INTO admin
+          FROM pg_catalog.pg_auth_members m
+          JOIN pg_catalog.pg_roles g ON g.oid = m.member
+         WHERE m.roleid = (SELECT x.oid FROM pg_catalog.pg_roles x WHERE x.rolname = r)
+           AND m.admin_option AND NOT g.rolsuper
+         LIMIT 1;
+        IF admin IS NOT NULL THEN
+            RAISE EXCEPTION 'role "%" already exists and role "%" may grant it', r, admin
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = pg_catalog.format('outbox_ext gives %I its privileges: REVOKE ADMIN OPTION FOR %I FROM %I; (or drop the role) and try again.', r, r, admin);
+        END IF;
         IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r) THEN
             EXECUTE pg_catalog.format('CREATE ROLE %I NOLOGIN', r);
         ELSIF EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r AND (rolcanlogin OR rolsuper)) THEN

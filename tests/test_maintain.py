@@ -62,10 +62,15 @@ def test_rows_in_the_default_partition_are_reported_and_moved(db):
     assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["future"]
 
 
-def test_inbox_rows_in_the_default_partition_are_moved(db):
+def test_inbox_rows_in_the_default_partition_are_moved_once_in_reach(db):
+    """An id beyond the partitions made ahead stays in the default partition (deduplicated
+    there) until partitions reach its time; then it is moved into its own."""
     mid = db.execute("SELECT inbox.uuid_at(now() + interval '30 days')").fetchone()[0]
     db.execute("SELECT inbox.claim(%s, 'c')", (mid,))
     assert db.execute("SELECT tableoid::regclass::text FROM inbox.messages").fetchone()[0] == "inbox.messages_default"
+    assert "moved" not in [a for a, *_ in maintain(db)]
+    assert db.execute("SELECT inbox.claim(%s, 'c')", (mid,)).fetchone()[0] is False, "deduplicated meanwhile"
+    db.execute("UPDATE outbox.partition_config SET ahead = 31 WHERE parent = 'inbox.messages'::regclass")
     assert "moved" in [a for a, *_ in maintain(db)]
     assert db.execute("SELECT tableoid::regclass::text FROM inbox.messages").fetchone()[0] != "inbox.messages_default"
     assert db.execute("SELECT inbox.claim(%s, 'c')", (mid,)).fetchone()[0] is False, "still deduplicated"
@@ -175,7 +180,10 @@ def test_a_drop_that_deadlocks_gives_way_to_the_application(db, connect):
     insert_event_at(db, "old", "-10 days")
     old_mid = db.execute("SELECT inbox.uuid_at(now() - interval '30 days')").fetchone()[0]
     db.execute("SELECT inbox.claim(%s, 'c')", (old_mid,))
+    # an inbox partition of 30 days ago: made while the retention kept that long
+    db.execute("UPDATE outbox.partition_config SET retention = '40 days' WHERE parent = 'inbox.messages'::regclass")
     maintain(db)                                   # both old rows now in partitions of their own
+    db.execute("UPDATE outbox.partition_config SET retention = '7 days' WHERE parent = 'inbox.messages'::regclass")
     old_events = partition_of(db, "old")
     old_inbox = db.execute("SELECT tableoid::regclass::text FROM inbox.messages WHERE message_id = %s",
                            (old_mid,)).fetchone()[0]
@@ -220,14 +228,20 @@ def test_cursor_history_is_trimmed_and_claims_go_on(db):
 
 
 def test_the_inbox_forgets_after_its_retention(db):
-    """The dedup window: a duplicate older than the retention is no longer recognized."""
-    mid = db.execute("SELECT inbox.uuid_at(now() - interval '30 days')").fetchone()[0]
-    assert db.execute("SELECT inbox.claim(%s, 'c')", (mid,)).fetchone()[0] is True
-    # the id's partition is made from the default partition by one run and dropped by the
-    # next (drops come first in a run)
-    actions = maintain(db) + maintain(db)
+    """The dedup window: a message is recognized for the retention, counted from its id's time
+    or, for an id older than that, from its receipt; then it is no longer recognized."""
+    recent = db.execute("SELECT inbox.uuid_at(now() - interval '3 days')").fetchone()[0]
+    old = db.execute("SELECT inbox.uuid_at(now() - interval '30 days')").fetchone()[0]
+    assert db.execute("SELECT inbox.claim(%s, 'c') AND inbox.claim(%s, 'c')", (recent, old)).fetchone()[0] is True
+    maintain(db)
+    assert db.execute("SELECT inbox.claim(%s, 'c') OR inbox.claim(%s, 'c')", (recent, old)).fetchone()[0] is False
+    # a week later: the partition of the recent id's day is dropped (drops come first in a
+    # run); the old id, left in the default partition, ages out by its receipt
+    db.execute("UPDATE outbox.partition_config SET retention = '2 days' WHERE parent = 'inbox.messages'::regclass")
+    db.execute("UPDATE inbox.messages SET received_at = now() - interval '8 days' WHERE message_id = %s", (old,))
+    actions = maintain(db)
     assert "dropped" in [a for a, *_ in actions], actions
-    assert db.execute("SELECT inbox.claim(%s, 'c')", (mid,)).fetchone()[0] is True
+    assert db.execute("SELECT inbox.claim(%s, 'c') AND inbox.claim(%s, 'c')", (recent, old)).fetchone()[0] is True
 
 
 class _notices:
