@@ -245,7 +245,8 @@ enum Extension {
 fn extension() -> Extension {
     let version = session::in_transaction(|| {
         Spi::get_one::<String>(
-            "SELECT extversion FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext'",
+            "SELECT extversion FROM pg_catalog.pg_extension \
+             WHERE extname OPERATOR(pg_catalog.=) 'outbox_ext'",
         )
     });
     match version {
