@@ -358,6 +358,13 @@ DECLARE
     part    text;
     old_timeout text;
     rebased boolean;
+    -- At most this many partitions per table and step in one run, oldest past retention first
+    -- and nearest to now ahead: a run's locks and work stay bounded whatever the settings ask
+    -- (ahead = 100000, a retention cut from a year to a day, ids from far off in the inbox's
+    -- default partition), where all at once would fail every run (out of shared memory). The
+    -- rest waits for the next run, which the worker starts at once.
+    per_run CONSTANT int := 100;
+    done    int;
 BEGIN
     IF pg_is_in_recovery() THEN
         RETURN;  -- a replica follows its primary's maintenance
@@ -394,9 +401,16 @@ BEGIN
         END;
     END IF;
     FOR cfg IN SELECT * FROM outbox.partition_config LOOP
+        done := 0;
         FOR p IN SELECT * FROM unnest(parts) x
                   WHERE x.parent = cfg.parent AND NOT x.is_default AND x.upper <= now() - cfg.retention
                   ORDER BY x.lower LOOP
+            IF done = per_run THEN
+                RETURN QUERY SELECT 'deferred', cfg.parent::text,
+                    format('more than %s partitions past retention: the next run goes on', per_run);
+                EXIT;
+            END IF;
+            done := done + 1;  -- looked at, dropped or kept: each takes its locks
             part := p.partition::text;  -- named while it exists
             BEGIN
                 IF cfg.parent = 'outbox.events'::regclass THEN
@@ -437,13 +451,21 @@ BEGIN
             changed := false;
         END IF;
         -- 2. rows that landed in the default partition: report them, move them into partitions
+        done := 0;
         FOR lo_at IN EXECUTE format(
-                'SELECT DISTINCT outbox_internal._floor_time(%s, %L) FROM %s %s',
+                'SELECT DISTINCT outbox_internal._floor_time(%s, %L) FROM %s %s ORDER BY 1 LIMIT %s',
                 outbox_internal._key_time(cfg.parent), cfg.width,
                 (SELECT d.partition FROM unnest(parts) d WHERE d.parent = cfg.parent AND d.is_default),
                 CASE WHEN cfg.parent = 'inbox.messages'::regclass
-                     THEN outbox_internal._inbox_ids_to_move(cfg) ELSE '' END)
+                     THEN outbox_internal._inbox_ids_to_move(cfg) ELSE '' END,
+                per_run + 1)
         LOOP
+            IF done = per_run THEN
+                RETURN QUERY SELECT 'deferred', cfg.parent::text,
+                    format('rows of more than %s partitions in the default partition: the next run goes on', per_run);
+                EXIT;
+            END IF;
+            done := done + 1;
             created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
             IF created IS NOT NULL THEN
                 changed := true;
@@ -457,6 +479,7 @@ BEGIN
         IF changed THEN
             parts := outbox_internal._partition_list();
         END IF;
+        done := 0;
         FOR lo_at IN
             WITH existing AS (  -- what the partitions cover, as one value (not a scan per range)
                      SELECT coalesce(range_agg(tstzrange(x.lower, x.upper)), '{}') AS covered
@@ -468,8 +491,14 @@ BEGIN
                                           outbox_internal._floor_time(now(), cfg.width) + cfg.width * cfg.ahead,
                                           cfg.width) AS g
              WHERE NOT existing.covered @> tstzrange(g, g + cfg.width)
-             ORDER BY g
+             ORDER BY g LIMIT per_run + 1
         LOOP
+            IF done = per_run THEN
+                RETURN QUERY SELECT 'deferred', cfg.parent::text,
+                    format('more than %s partitions to create: the next run goes on', per_run);
+                EXIT;
+            END IF;
+            done := done + 1;
             created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
             IF created IS NOT NULL THEN
                 changed := true;

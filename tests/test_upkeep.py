@@ -1,8 +1,8 @@
 """No role stops the outbox's upkeep or holds a role of ours on the side: a role that holds the
 locks the worker and maintain() used to take (advisory locks anyone can take), calls itself
 pg_restore, or feeds the inbox ids from thousands of distinct days, keeps neither the worker out
-of its database nor maintain() from running to the end; CREATE EXTENSION refuses a role of ours
-that someone else may grant."""
+of its database nor maintain() from running to the end; no setting makes a run do more than a
+bounded share of its work; CREATE EXTENSION refuses a role of ours that someone else may grant."""
 
 from __future__ import annotations
 
@@ -87,6 +87,93 @@ def test_inbox_ids_from_thousands_of_days_cannot_break_maintain(connect, db):
     # and maintain goes on making what it should
     db.execute("UPDATE outbox.partition_config SET ahead = 12 WHERE parent = 'inbox.messages'::regclass")
     assert [a for a, *_ in maintain(db)].count("moved") == 2   # days 11 and 12
+
+
+PER_RUN = 100   # partitions per table and step in one run of maintain()
+
+
+def one_minute_events(db, **settings) -> None:
+    """event partitions one minute wide from now on, in place of the day-wide ones made at
+    install (empty): what they cover no minute partition is made for"""
+    for (part,) in db.execute("""SELECT partition FROM outbox.partitions
+                                  WHERE parent = 'outbox.events'::regclass AND NOT is_default""").fetchall():
+        db.execute(f"DROP TABLE {part}")
+    db.execute("DELETE FROM outbox._reach")   # their recorded reach goes with them
+    sets = ", ".join(f"{k} = %({k})s" for k in settings)
+    db.execute(f"UPDATE outbox.partition_config SET width = '1 minute', {sets} WHERE parent = 'outbox.events'::regclass",
+               settings)
+
+
+def minute_partitions(db) -> list:
+    """lower bounds of the event partitions one minute wide, in order"""
+    return [r[0] for r in db.execute("""
+        SELECT lower FROM outbox.partitions WHERE parent = 'outbox.events'::regclass
+           AND upper - lower = interval '1 minute' ORDER BY lower""")]
+
+
+def counted(actions, verb) -> int:
+    return sum(1 for a in actions if a[0] == verb and a[1] != "inbox.messages")
+
+
+def test_a_huge_ahead_is_made_a_bounded_share_per_run_nearest_first(db):
+    """ahead = 100000 used to make every run fail (out of shared memory) and so make nothing."""
+    one_minute_events(db, ahead=100000)
+    first = maintain(db)
+    assert counted(first, "created") == PER_RUN
+    assert ("deferred", "outbox.events", "more than 100 partitions to create: the next run goes on") in first
+    made = minute_partitions(db)
+    now = db.execute("SELECT date_trunc('minute', now())").fetchone()[0]
+    assert made[0] <= now and len(made) == PER_RUN
+    assert all((b - a).total_seconds() == 60 for a, b in zip(made, made[1:])), "the nearest ones, with no gap"
+    second = maintain(db)
+    assert counted(second, "created") == PER_RUN and counted(second, "deferred") == 1
+    assert minute_partitions(db)[:PER_RUN] == made and len(minute_partitions(db)) == 2 * PER_RUN
+
+
+def test_a_retention_cut_far_back_drops_a_bounded_share_per_run(db):
+    one_minute_events(db, ahead=2)
+    db.execute("""SELECT count(outbox_internal._create_partition('outbox.events',
+                         date_trunc('minute', now()) - g * interval '1 minute', '1 minute'))
+                    FROM generate_series(10, 259) g""")
+    assert len(minute_partitions(db)) == 250
+    db.execute("UPDATE outbox.partition_config SET retention = '5 minutes' WHERE parent = 'outbox.events'::regclass")
+    runs = [maintain(db) for _ in range(3)]
+    assert [counted(r, "dropped") for r in runs] == [PER_RUN, PER_RUN, 50]
+    assert [counted(r, "deferred") for r in runs] == [1, 1, 0]
+    oldest = db.execute("""SELECT min(lower) FROM outbox.partitions WHERE parent = 'outbox.events'::regclass
+                            AND NOT is_default""").fetchone()[0]
+    assert oldest >= db.execute("SELECT date_trunc('minute', now()) - interval '10 minutes'").fetchone()[0]
+
+
+def test_a_default_partition_holding_thousands_of_ranges_is_moved_a_bounded_share_per_run(db):
+    one_minute_events(db, ahead=2)
+    db.execute("""INSERT INTO outbox.events (id, aggregate_type, aggregate_id, event_type, payload, created_at, shard)
+                  SELECT outbox.uuid_v7(), 'order', 'k', 'e', '{}', now() + interval '30 days' + g * interval '1 minute',
+                         outbox.shard_of('k')
+                    FROM generate_series(1, 150) g""")
+    runs = [maintain(db), maintain(db)]
+    assert [counted(r, "moved") for r in runs] == [PER_RUN, 50]
+    assert [counted(r, "deferred") for r in runs] == [1, 0]
+    assert db.execute("SELECT count(*) FROM outbox.events_default").fetchone()[0] == 0
+    assert db.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 150
+
+
+def test_the_worker_goes_on_at_once_with_what_a_run_deferred(cluster, worker_db):
+    with cluster.connect() as conn:
+        conn.execute("ALTER SYSTEM SET outbox_ext.maintain_interval = 3600")
+        conn.execute("SELECT pg_reload_conf()")
+    try:
+        with cluster.connect(worker_db, autocommit=False) as db:
+            # in the transaction that installs it: the worker's first run finds the setting
+            db.execute("CREATE EXTENSION outbox_ext")
+            one_minute_events(db, ahead=250)
+            db.commit()
+            db.autocommit = True
+            wait_for(lambda: len(minute_partitions(db)) >= 251, timeout=60)   # in three runs
+    finally:
+        with cluster.connect() as conn:
+            conn.execute("ALTER SYSTEM RESET outbox_ext.maintain_interval")
+            conn.execute("SELECT pg_reload_conf()")
 
 
 def test_a_role_of_ours_that_someone_else_may_grant_is_refused(cluster, new_database):

@@ -215,8 +215,12 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
                 ready = false;
                 continue;
             }
-            maintain();
-            next_maintain = Instant::now() + gucs::maintain_interval();
+            next_maintain = Instant::now()
+                + if maintain() == Upkeep::Deferred {
+                    Duration::ZERO // the rest of a run's work, after a round of delivery
+                } else {
+                    gucs::maintain_interval()
+                };
         }
         // last: it reports what the worker is doing in pg_stat_activity
         if let Err(e) = delivery.run() {
@@ -283,9 +287,19 @@ fn say_waiting(db: &str, found: &Extension) {
 }
 
 /// Runs outbox.maintain() in a transaction of its own and logs what it did.
-fn maintain() {
+/// What a run of outbox.maintain() left.
+#[derive(PartialEq)]
+enum Upkeep {
+    Done,
+    /// It did as much as one run may and more is waiting (actions "deferred"): run it again
+    /// soon. Not when it only looked (partitions past retention kept for their events): the
+    /// next run would look at the same ones again.
+    Deferred,
+}
+
+fn maintain() -> Upkeep {
     if unsafe { pg_sys::RecoveryInProgress() } {
-        return; // a standby: partitions follow the primary's
+        return Upkeep::Done; // a standby: partitions follow the primary's
     }
     report_activity("outbox.maintain()");
     let actions = session::in_transaction(|| {
@@ -317,6 +331,15 @@ fn maintain() {
     };
     for action in actions.iter().filter(|a| !a.starts_with("skipped")) {
         log!("outbox_ext maintain: {action}");
+    }
+    let did = |verb: &str| actions.iter().any(|a| a.split(' ').next() == Some(verb));
+    let progressed = ["created", "moved", "dropped", "detached"]
+        .into_iter()
+        .any(did);
+    if did("deferred") && progressed {
+        Upkeep::Deferred
+    } else {
+        Upkeep::Done
     }
 }
 
