@@ -1,7 +1,8 @@
 //! Which worker serves each database, and wake-at-commit.
 //!
 //! A small shared table holds one slot per database: the worker that claims it serves that
-//! database, and a second worker started for it (a restarted launcher starts new ones) leaves.
+//! database. A restarted launcher starts no worker for a database whose slot is held, and a
+//! second worker started for it anyway (a race with the first's start) leaves.
 //! Only workers write the table, so no session can keep workers out of a database (an
 //! advisory lock, which any role may take, could). emit marks its transaction; when that
 //! transaction commits, its backend sets the latch of the slot's worker, so delivery starts at
@@ -118,21 +119,25 @@ pub fn claim_database() -> bool {
             .iter()
             .find(|s| s.database.load(Ordering::Acquire) == database)
             .or_else(|| slots.iter().find(|s| s.pid.load(Ordering::Acquire) == 0))?;
-        if slot.pid.load(Ordering::Acquire) != 0 {
-            return Some(false);
+        let holder = slot.pid.load(Ordering::Acquire);
+        if holder != 0 {
+            return Some(Err(holder));
         }
         slot.database.store(database, Ordering::Release);
         slot.proc
             .store(unsafe { pg_sys::MyProc } as usize, Ordering::Release);
         slot.pid.store(me, Ordering::Release);
-        Some(true)
+        Some(Ok(()))
     });
     match claimed {
-        Some(true) => {
+        Some(Ok(())) => {
             unsafe { pg_sys::before_shmem_exit(Some(release_database), pg_sys::Datum::from(0)) };
             true
         }
-        Some(false) => false,
+        Some(Err(holder)) => {
+            log!("outbox_ext: worker {holder} serves this database already; this one leaves");
+            false
+        }
         None => {
             warning!(
                 "outbox_ext: more than {SLOTS} databases have workers; this one is not served"
@@ -140,6 +145,15 @@ pub fn claim_database() -> bool {
             false
         }
     }
+}
+
+/// Whether a worker serves `database` (its slot is held). The launcher asks before starting
+/// one: a worker an earlier launcher started may still be serving it.
+pub fn is_served(database: u32) -> bool {
+    SHARED.load(Ordering::Relaxed)
+        && WORKERS.get().slots.iter().any(|s| {
+            s.database.load(Ordering::Acquire) == database && s.pid.load(Ordering::Acquire) != 0
+        })
 }
 
 /// Lets go of the slot this worker holds: another worker may serve its database now.

@@ -125,6 +125,31 @@ def test_a_killed_worker_is_started_again(cluster, worker_db):
         assert conn.execute("SELECT 1").fetchone()[0] == 1
 
 
+def launcher_pid(cluster):
+    """the launcher's pid"""
+    with cluster.connect() as conn:
+        row = conn.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_ext launcher'").fetchone()
+    return row and row[0]
+
+
+def test_a_killed_launcher_is_started_again_and_restarts_workers(cluster, worker_db):
+    """A launcher stopped by pg_terminate_backend used to exit with status 0, which the
+    postmaster never restarts: from then on no stopped worker was started again."""
+    worker = wait_for(lambda: worker_pid(cluster))
+    launcher = wait_for(lambda: launcher_pid(cluster))
+    log_start = len(cluster.log())
+    with cluster.connect() as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (launcher,))
+    wait_for(lambda: (pid := launcher_pid(cluster)) and pid != launcher, timeout=20)
+    time.sleep(6)   # a round of the new launcher later
+    assert worker_pid(cluster) == worker, "the worker serving the database goes on"
+    assert "serves this database already" not in cluster.log()[log_start:], \
+        "the new launcher starts no second worker for a database served"
+    with cluster.connect() as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (worker,))
+    wait_for(lambda: (pid := worker_pid(cluster)) and pid != worker, timeout=20)
+
+
 def test_sighup_serves_newly_listed_databases(cluster, worker_db):
     with cluster.connect() as conn:
         conn.execute("DROP DATABASE IF EXISTS worker_db2")

@@ -74,13 +74,16 @@ pub extern "C-unwind" fn outbox_ext_launcher_main(_arg: pg_sys::Datum) {
             if workers.get(&db).is_some_and(is_running) {
                 continue;
             }
-            if !database_exists(&db) {
+            let Some(oid) = database_oid(&db) else {
                 if reported_missing.insert(db.clone()) {
                     warning!("outbox_ext: database \"{db}\" in outbox_ext.databases does not exist; waiting for it");
                 }
                 continue;
-            }
+            };
             reported_missing.remove(&db);
+            if wake::is_served(oid) {
+                continue; // by a worker an earlier launcher started: looked at again next round
+            }
             match start_worker(&db) {
                 Some(worker) => {
                     workers.insert(db, worker);
@@ -106,20 +109,25 @@ pub extern "C-unwind" fn outbox_ext_launcher_main(_arg: pg_sys::Datum) {
         reload_on_sighup();
     }
     log!("outbox_ext launcher stopping");
+    // Status 1, as PostgreSQL's own launchers exit on SIGTERM: the postmaster starts it again
+    // after its restart time unless the server is shutting down. With status 0 a launcher
+    // stopped by pg_terminate_backend would stay away, and no worker would be restarted.
+    unsafe { pg_sys::proc_exit(1) };
 }
 
 fn is_running(worker: &DynamicBackgroundWorker) -> bool {
     !matches!(worker.pid(), Err(BackgroundWorkerStatus::Stopped))
 }
 
-/// True if the database exists and accepts connections.
-fn database_exists(db: &str) -> bool {
+/// The database's oid if it exists and accepts connections.
+fn database_oid(db: &str) -> Option<u32> {
     find_in_shared_catalog(pg_sys::DatabaseRelationId, |tuple| unsafe {
         let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_database>(tuple);
         let name = std::ffi::CStr::from_ptr((*form).datname.data.as_ptr());
-        (name.to_bytes() == db.as_bytes()).then_some((*form).datallowconn)
+        (name.to_bytes() == db.as_bytes())
+            .then_some((*form).datallowconn.then_some((*form).oid.to_u32()))
     })
-    .unwrap_or(false)
+    .flatten()
 }
 
 /// True if the role exists (a worker cannot connect as a role that does not).
