@@ -5,6 +5,9 @@
 -- every run take more locks than the server has (out of shared memory): no partition was made
 -- or dropped again. Now a run does at most 100 partitions per table and step, nearest to now
 -- first, and says "deferred"; the next run goes on (the worker runs it again at once).
+-- And maintain() took its one-run-at-a-time lock with NOWAIT: statements any role may try
+-- take that lock for an instant before they are refused (CREATE STATISTICS), so a role
+-- repeating one made runs skip. It now waits up to 100 ms.
 --
 -- A delta: what changed from 0.14.0 to 0.15.0, rerunnable. Released: never edit it.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.15.0'" to load this file. \quit
@@ -38,9 +41,16 @@ BEGIN
     IF pg_is_in_recovery() THEN
         RETURN;  -- a replica follows its primary's maintenance
     END IF;
-    BEGIN  -- one run at a time, under a lock that no other role can hold (any role can hold
-           -- an advisory lock, or a weaker table lock: a statement it may PREPARE takes one)
-        LOCK TABLE outbox.partition_config IN SHARE UPDATE EXCLUSIVE MODE NOWAIT;
+    -- One run at a time, under a lock that no other role can hold (any role can hold an
+    -- advisory lock, or a weaker table lock: a statement it may PREPARE takes one). Waited for
+    -- briefly, not NOWAIT: a statement any role may try takes this lock for an instant before
+    -- the check that refuses it (CREATE STATISTICS, COMMENT ON, ANALYZE), and repeated, it
+    -- would make every run that came in that instant skip. Another run holds it far longer.
+    old_timeout := current_setting('lock_timeout');
+    BEGIN
+        PERFORM set_config('lock_timeout', '100ms', true);
+        LOCK TABLE outbox.partition_config IN SHARE UPDATE EXCLUSIVE MODE;
+        PERFORM set_config('lock_timeout', old_timeout, true);
     EXCEPTION WHEN lock_not_available THEN
         RETURN QUERY SELECT 'skipped', NULL::text, 'another outbox.maintain() is running';
         RETURN;

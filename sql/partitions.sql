@@ -369,9 +369,16 @@ BEGIN
     IF pg_is_in_recovery() THEN
         RETURN;  -- a replica follows its primary's maintenance
     END IF;
-    BEGIN  -- one run at a time, under a lock that no other role can hold (any role can hold
-           -- an advisory lock, or a weaker table lock: a statement it may PREPARE takes one)
-        LOCK TABLE outbox.partition_config IN SHARE UPDATE EXCLUSIVE MODE NOWAIT;
+    -- One run at a time, under a lock that no other role can hold (any role can hold an
+    -- advisory lock, or a weaker table lock: a statement it may PREPARE takes one). Waited for
+    -- briefly, not NOWAIT: a statement any role may try takes this lock for an instant before
+    -- the check that refuses it (CREATE STATISTICS, COMMENT ON, ANALYZE), and repeated, it
+    -- would make every run that came in that instant skip. Another run holds it far longer.
+    old_timeout := current_setting('lock_timeout');
+    BEGIN
+        PERFORM set_config('lock_timeout', '100ms', true);
+        LOCK TABLE outbox.partition_config IN SHARE UPDATE EXCLUSIVE MODE;
+        PERFORM set_config('lock_timeout', old_timeout, true);
     EXCEPTION WHEN lock_not_available THEN
         RETURN QUERY SELECT 'skipped', NULL::text, 'another outbox.maintain() is running';
         RETURN;

@@ -62,6 +62,32 @@ def test_no_role_makes_maintain_skip(connect, db, user, how):
     assert not [a for a in actions if a[0] == "skipped"], actions
 
 
+def test_a_role_flickering_the_lock_does_not_make_maintain_skip(connect, db):
+    """A statement a role may not run still takes its lock before the check that refuses it
+    (CREATE STATISTICS: SHARE UPDATE EXCLUSIVE, then "must be owner"). Repeated, it made the
+    runs that came in that instant skip."""
+    other = connect("relay_user")
+    stop = threading.Event()
+    tries = 0
+
+    def flicker():
+        nonlocal tries
+        while not stop.is_set():
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                other.execute("CREATE STATISTICS flicker ON width, ahead FROM outbox.partition_config")
+            tries += 1
+
+    thread = threading.Thread(target=flicker)
+    thread.start()
+    try:
+        actions = [a for _ in range(200) for a in maintain(db)]
+    finally:
+        stop.set()
+        thread.join()
+    assert tries > 200
+    assert not [a for a in actions if a[0] == "skipped"]
+
+
 def test_a_restore_still_makes_maintain_skip(connect, db):
     restorer = connect()   # a superuser, as a restore runs
     restorer.execute("SET application_name = 'pg_restore'")
