@@ -358,13 +358,16 @@ DECLARE
     part    text;
     old_timeout text;
     rebased boolean;
-    -- At most this many partitions per table and step in one run, oldest past retention first
-    -- and nearest to now ahead: a run's locks and work stay bounded whatever the settings ask
-    -- (ahead = 100000, a retention cut from a year to a day, ids from far off in the inbox's
-    -- default partition), where all at once would fail every run (out of shared memory). The
-    -- rest waits for the next run, which the worker starts at once.
+    -- A run drops, detaches, moves rows into or creates at most per_run partitions in all
+    -- (oldest past retention first, nearest to now ahead; the partitions of now and the next
+    -- width are made whatever is left), and looks at most at twice that many past retention (a
+    -- kept one is locked too): its locks stay bounded whatever the settings ask (ahead =
+    -- 100000, a retention cut from a year to a day, rows of thousands of days in a default
+    -- partition), where all at once would fail every run (out of shared memory). The rest
+    -- waits for the next run, which the worker starts at once.
     per_run CONSTANT int := 100;
-    done    int;
+    budget  int := per_run;
+    looks   int := 2 * per_run;
 BEGIN
     IF pg_is_in_recovery() THEN
         RETURN;  -- a replica follows its primary's maintenance
@@ -372,14 +375,14 @@ BEGIN
     -- One run at a time, under a lock that no other role can hold (any role can hold an
     -- advisory lock, or a weaker table lock: a statement it may PREPARE takes one). Waited for
     -- briefly, not NOWAIT: a statement any role may try takes this lock for an instant before
-    -- the check that refuses it (CREATE STATISTICS, COMMENT ON, ANALYZE), and repeated, it
-    -- would make every run that came in that instant skip. Another run holds it far longer.
+    -- the check that refuses it (CREATE STATISTICS, COMMENT ON), and repeated, it would make
+    -- every run that came in that instant skip. Another run holds it far longer.
     old_timeout := current_setting('lock_timeout');
     BEGIN
         PERFORM set_config('lock_timeout', '100ms', true);
         LOCK TABLE outbox.partition_config IN SHARE UPDATE EXCLUSIVE MODE;
         PERFORM set_config('lock_timeout', old_timeout, true);
-    EXCEPTION WHEN lock_not_available THEN
+    EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
         RETURN QUERY SELECT 'skipped', NULL::text, 'another outbox.maintain() is running';
         RETURN;
     END;
@@ -408,16 +411,18 @@ BEGIN
         END;
     END IF;
     FOR cfg IN SELECT * FROM outbox.partition_config LOOP
-        done := 0;
+        -- (never one that ends after now, whatever the retention: an interval such as
+        -- '-1 mon +30 days' passes its CHECK and is still a day ahead in some months)
         FOR p IN SELECT * FROM unnest(parts) x
-                  WHERE x.parent = cfg.parent AND NOT x.is_default AND x.upper <= now() - cfg.retention
+                  WHERE x.parent = cfg.parent AND NOT x.is_default
+                    AND x.upper <= least(now() - cfg.retention, now())
                   ORDER BY x.lower LOOP
-            IF done = per_run THEN
+            IF budget = 0 OR looks = 0 THEN
                 RETURN QUERY SELECT 'deferred', cfg.parent::text,
-                    format('more than %s partitions past retention: the next run goes on', per_run);
+                    'more partitions past retention than one run takes: the next run goes on';
                 EXIT;
             END IF;
-            done := done + 1;  -- looked at, dropped or kept: each takes its locks
+            looks := looks - 1;
             part := p.partition::text;  -- named while it exists
             BEGIN
                 IF cfg.parent = 'outbox.events'::regclass THEN
@@ -442,6 +447,7 @@ BEGIN
                     RETURN QUERY SELECT 'dropped', part, NULL::text;
                 END IF;
                 changed := true;
+                budget := budget - 1;
             EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
                 -- A deadlock: a transaction that holds the inbox and waits for the events table
                 -- (inbox.claim, then emit) while this run, having dropped an events partition,
@@ -458,21 +464,20 @@ BEGIN
             changed := false;
         END IF;
         -- 2. rows that landed in the default partition: report them, move them into partitions
-        done := 0;
         FOR lo_at IN EXECUTE format(
                 'SELECT DISTINCT outbox_internal._floor_time(%s, %L) FROM %s %s ORDER BY 1 LIMIT %s',
                 outbox_internal._key_time(cfg.parent), cfg.width,
                 (SELECT d.partition FROM unnest(parts) d WHERE d.parent = cfg.parent AND d.is_default),
                 CASE WHEN cfg.parent = 'inbox.messages'::regclass
                      THEN outbox_internal._inbox_ids_to_move(cfg) ELSE '' END,
-                per_run + 1)
+                budget + 1)
         LOOP
-            IF done = per_run THEN
+            IF budget = 0 THEN
                 RETURN QUERY SELECT 'deferred', cfg.parent::text,
-                    format('rows of more than %s partitions in the default partition: the next run goes on', per_run);
+                    'rows of more partitions in the default partition than one run takes: the next run goes on';
                 EXIT;
             END IF;
-            done := done + 1;
+            budget := budget - 1;
             created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
             IF created IS NOT NULL THEN
                 changed := true;
@@ -486,7 +491,6 @@ BEGIN
         IF changed THEN
             parts := outbox_internal._partition_list();
         END IF;
-        done := 0;
         FOR lo_at IN
             WITH existing AS (  -- what the partitions cover, as one value (not a scan per range)
                      SELECT coalesce(range_agg(tstzrange(x.lower, x.upper)), '{}') AS covered
@@ -498,14 +502,14 @@ BEGIN
                                           outbox_internal._floor_time(now(), cfg.width) + cfg.width * cfg.ahead,
                                           cfg.width) AS g
              WHERE NOT existing.covered @> tstzrange(g, g + cfg.width)
-             ORDER BY g LIMIT per_run + 1
+             ORDER BY g LIMIT budget + 3
         LOOP
-            IF done = per_run THEN
+            IF budget = 0 AND lo_at > outbox_internal._floor_time(now(), cfg.width) + cfg.width THEN
                 RETURN QUERY SELECT 'deferred', cfg.parent::text,
-                    format('more than %s partitions to create: the next run goes on', per_run);
+                    'more partitions to create than one run takes: the next run goes on';
                 EXIT;
             END IF;
-            done := done + 1;
+            budget := greatest(budget - 1, 0);
             created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
             IF created IS NOT NULL THEN
                 changed := true;

@@ -132,6 +132,13 @@ def launcher_pid(cluster):
     return row and row[0]
 
 
+def launcher_state(cluster):
+    """what the launcher says it is doing"""
+    with cluster.connect() as conn:
+        row = conn.execute("SELECT query FROM pg_stat_activity WHERE backend_type = 'outbox_ext launcher'").fetchone()
+    return row and row[0]
+
+
 def test_a_killed_launcher_is_started_again_and_restarts_workers(cluster, worker_db):
     """A launcher stopped by pg_terminate_backend used to exit with status 0, which the
     postmaster never restarts: from then on no stopped worker was started again."""
@@ -141,7 +148,8 @@ def test_a_killed_launcher_is_started_again_and_restarts_workers(cluster, worker
     with cluster.connect() as conn:
         conn.execute("SELECT pg_terminate_backend(%s)", (launcher,))
     wait_for(lambda: (pid := launcher_pid(cluster)) and pid != launcher, timeout=20)
-    time.sleep(6)   # a round of the new launcher later
+    wait_for(lambda: launcher_state(cluster) == "idle")   # its first round is done
+    time.sleep(6)   # and a second (every 5 s)
     assert worker_pid(cluster) == worker, "the worker serving the database goes on"
     assert "serves this database already" not in cluster.log()[log_start:], \
         "the new launcher starts no second worker for a database served"

@@ -294,7 +294,6 @@ fn say_waiting(db: &str, found: &Extension) {
     }
 }
 
-/// Runs outbox.maintain() in a transaction of its own and logs what it did.
 /// What a run of outbox.maintain() left.
 #[derive(PartialEq)]
 enum Upkeep {
@@ -305,6 +304,7 @@ enum Upkeep {
     Deferred,
 }
 
+/// Runs outbox.maintain() in a transaction of its own and logs what it did.
 fn maintain() -> Upkeep {
     if unsafe { pg_sys::RecoveryInProgress() } {
         return Upkeep::Done; // a standby: partitions follow the primary's
