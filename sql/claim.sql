@@ -353,6 +353,7 @@ RETURNS outbox._cursor_log
 AS $$
 DECLARE
     late    record;
+    seqs    bigint[];
     seq_end bigint;
     since   timestamptz;
     until   timestamptz;
@@ -385,16 +386,8 @@ BEGIN
     IF cardinality(late.txids) > 0 THEN
         since := outbox_internal._since(late.floor_seq, outbox_internal._newest_seal());
         until := outbox_internal._reach();
-        -- One pass over the range per transaction (there are few), txid = t checked on the
-        -- index entries: only their events' rows are visited. (txid = ANY (array) is checked
-        -- on the heap rows instead, and a min/max plan would walk the range twice.)
-        SELECT min(e.seq), max(e.seq) INTO cur.late_from, cur.late_to
-          FROM unnest(late.txids) AS t
-         CROSS JOIN LATERAL (SELECT e.seq FROM outbox.events e
-                              WHERE e.shard = cur.shard AND e.seq > late.floor_seq
-                                AND e.seq <= seq_end AND e.txid = t
-                                AND e.created_at >= since AND e.created_at < until
-                             OFFSET 0) AS e;
+        seqs := outbox_internal._late_range(cur.shard, late.floor_seq, seq_end, late.txids, since, until);
+        cur.late_from := seqs[1]; cur.late_to := seqs[2];
     END IF;
     cur.after_seq := NULL;
     RETURN cur;
@@ -588,6 +581,64 @@ AS $$
     ) AS w ORDER BY w.seq LIMIT lim
 $$;
 
+-- The shards among shards that have an event above their floor (floors, in the same order),
+-- made in [since, until): one index probe each. Inlined into the statement of _any_events.
+CREATE OR REPLACE FUNCTION outbox_internal._shards_with_events(shards int[], floors bigint[],
+                                                              since timestamptz, until timestamptz)
+RETURNS SETOF int
+    LANGUAGE sql STABLE
+AS $$
+    SELECT s.shard FROM unnest(shards, floors) AS s(shard, floor_seq)
+     WHERE EXISTS (SELECT FROM outbox.events e
+                    WHERE e.shard = s.shard AND e.seq > s.floor_seq
+                      AND e.created_at >= since AND e.created_at < until)
+$$;
+
+-- The seqs of a shard's events of the transactions txids in (floor_seq, seq_end], made in
+-- [since, until): one pass over the range per transaction (there are few), txid = t checked on
+-- the index entries, so only their events' rows are visited. (txid = ANY (array) is checked on
+-- the heap rows instead.) Inlined into the statement of _late_range.
+CREATE OR REPLACE FUNCTION outbox_internal._late_seqs(shard int, floor_seq bigint, seq_end bigint, txids xid8[],
+                                                     since timestamptz, until timestamptz)
+RETURNS SETOF bigint
+    LANGUAGE sql STABLE
+AS $$
+    SELECT e.seq FROM unnest(txids) AS t
+     CROSS JOIN LATERAL (SELECT e.seq FROM outbox.events e
+                          WHERE e.shard = _late_seqs.shard AND e.seq > floor_seq
+                            AND e.seq <= seq_end AND e.txid = t
+                            AND e.created_at >= since AND e.created_at < until
+                         OFFSET 0) AS e
+$$;
+
+-- The reads of the event log on a claim's way, native (src/claim/pruned.rs): each runs
+-- its SQL function above with the bounds of the partitions around [since, until) as
+-- constants, so that only those partitions are planned and locked. (Planned once per session
+-- with since and until as values, a statement locks every partition at every execution.)
+-- The next page of a window: at most lim events after the cursor's position, in seq order, as
+-- claimed rows of the next epoch, and, when there are any, the claim row leasing them to owner.
+CREATE OR REPLACE FUNCTION outbox_internal._claim_page(cur outbox._cursor_log, lim int, owner text, lease interval,
+                                                      since timestamptz, until timestamptz)
+RETURNS SETOF outbox.claimed
+    LANGUAGE c VOLATILE STRICT AS 'MODULE_PATHNAME', 'outbox_claim_page';
+-- _window's events of the cursor's window (in seq order, up to upto, at most lim; NULLs: no
+-- bound), for the parked path and settle. A scan of a function's result keeps the order the
+-- function made its rows in, so ARRAY(SELECT ... FROM it) needs no ORDER BY.
+CREATE OR REPLACE FUNCTION outbox_internal._window_events(cur outbox._cursor_log, upto bigint, lim int,
+                                                         since timestamptz, until timestamptz)
+RETURNS SETOF outbox.events
+    LANGUAGE c STABLE AS 'MODULE_PATHNAME', 'outbox_window_events';
+-- Whether any of the shards has an event above its floor (_shards_with_events).
+CREATE OR REPLACE FUNCTION outbox_internal._any_events(shards int[], floors bigint[],
+                                                      since timestamptz, until timestamptz)
+RETURNS boolean
+    LANGUAGE c STABLE STRICT AS 'MODULE_PATHNAME', 'outbox_any_events';
+-- The least and greatest of _late_seqs, NULLs when there are none.
+CREATE OR REPLACE FUNCTION outbox_internal._late_range(shard int, floor_seq bigint, seq_end bigint, txids xid8[],
+                                                      since timestamptz, until timestamptz)
+RETURNS bigint[]
+    LANGUAGE c STABLE STRICT AS 'MODULE_PATHNAME', 'outbox_late_range';
+
 -- Lock a shard for ack/nack/release and return its cursor, refusing a stale epoch.
 CREATE OR REPLACE FUNCTION outbox_internal._leased(consumer_id int, shard int, epoch bigint) RETURNS outbox._cursor_log
     LANGUAGE plpgsql VOLATILE
@@ -746,9 +797,7 @@ BEGIN
     IF NOT parked AND cur.hi_snap IS NULL AND cur.restored_seq IS NULL THEN
         floor_seq := outbox_internal._pending_floor(cur);  -- a value: the probe's index bound
         since := outbox_internal._since(floor_seq, newest);
-        IF NOT EXISTS (SELECT FROM outbox.events e
-                        WHERE e.shard = _free_cursor.shard AND e.seq > floor_seq
-                          AND e.created_at >= since AND e.created_at < until)
+        IF NOT outbox_internal._any_events(ARRAY[shard], ARRAY[floor_seq], since, until)
            AND NOT outbox_internal._behind_a_seal(cur, newest) THEN
             cur := NULL;
         END IF;
@@ -789,13 +838,11 @@ BEGIN
     END IF;
     -- one value for every shard (the lowest floor's): partitions pruned before they are opened
     since := outbox_internal._since((SELECT min(outbox_internal._pending_floor(c)) FROM unnest(curs) c), newest);
-    RETURN EXISTS (
-        SELECT FROM unnest(curs) AS c
-         WHERE EXISTS (SELECT FROM outbox._parked p
-                        WHERE p.consumer_id = _may_have_work.consumer_id AND p.shard = c.shard)
-            OR EXISTS (SELECT FROM outbox.events e
-                        WHERE e.shard = c.shard AND e.seq > outbox_internal._pending_floor(c)
-                          AND e.created_at >= since AND e.created_at < until));
+    RETURN EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = _may_have_work.consumer_id)
+        OR outbox_internal._any_events(ARRAY(SELECT c.shard FROM unnest(curs) c ORDER BY c.shard),
+                                       ARRAY(SELECT outbox_internal._pending_floor(c) FROM unnest(curs) c
+                                              ORDER BY c.shard),
+                                       since, until);
 END
 $$;
 
@@ -818,7 +865,7 @@ END
 $$;
 
 -- Claim one free shard's next batch (shards tried from a random one on): its events in commit
--- order, read and handed out in one statement that also writes the claim row; or, when the
+-- order, read and handed out by _claim_page, which also writes the claim row; or, when the
 -- shard has parked keys, through _claim_parked. Nothing when no shard has work.
 CREATE OR REPLACE FUNCTION outbox_internal._claim(c outbox.consumers, batch_size int, lease interval,
                                          owner text, seq_mark bigint, x xid8)
@@ -853,19 +900,7 @@ BEGIN
             END IF;
             since := outbox_internal._window_since(cur, newest);
             until := outbox_internal._reach();  -- read after the window's snapshot: see _reach
-            RETURN QUERY
-            WITH page AS MATERIALIZED (SELECT * FROM outbox_internal._window(cur.shard, cur, NULL, batch_size, since, until)),
-                 written AS MATERIALIZED (
-                     SELECT outbox_internal._append(outbox_internal._claimed(cur, owner, lease, max(p.seq),
-                                                           count(*) < batch_size, '{}'))
-                       FROM page p HAVING count(*) > 0)
-            SELECT cur.shard, cur.epoch + 1, p.id, p.topic, p.aggregate_type, p.aggregate_id,
-                   p.event_type, p.payload, p.headers, p.created_at, p.seq, 1
-              FROM page p
-             WHERE (SELECT count(*) FROM written) >= 0;  -- once, before the first row: the claim row is written
-            -- No ORDER BY: a CTE scan returns the rows in the order the CTE made them, here
-            -- _window's seq order (PostgreSQL 17 on plans on that; before 17, ORDER BY p.seq
-            -- sorted the page again, a copy of every row: 7% of a claim of 1,000).
+            RETURN QUERY SELECT * FROM outbox_internal._claim_page(cur, batch_size, owner, lease, since, until);
             GET DIAGNOSTICS got = ROW_COUNT;
             EXIT WHEN got > 0;
             IF fresh THEN
@@ -932,8 +967,7 @@ BEGIN
         END IF;
         since := outbox_internal._window_since(cur, outbox_internal._newest_seal());
         until := outbox_internal._reach();  -- after the window's snapshot: see _reach
-        page := ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, NULL, batch_size, since, until) AS w
-                       ORDER BY w.seq);
+        page := ARRAY(SELECT w FROM outbox_internal._window_events(cur, NULL, batch_size, since, until) AS w);
         exhausted := cardinality(page) < batch_size;
         PERFORM outbox_internal._queue_parked(c.id, ARRAY(
             SELECT e FROM unnest(page) e
@@ -1080,8 +1114,7 @@ DECLARE
     since timestamptz := outbox_internal._window_since(cur, outbox_internal._newest_seal());
     until timestamptz := outbox_internal._reach();
 BEGIN
-    RETURN ARRAY(SELECT w FROM outbox_internal._window(cur.shard, cur, cur.batch_end, NULL, since, until) w
-                  ORDER BY w.seq);
+    RETURN ARRAY(SELECT w FROM outbox_internal._window_events(cur, cur.batch_end, NULL, since, until) w);
 END
 $$;
 

@@ -28,9 +28,10 @@
 --            pg_temp (the control file's schema is pg_catalog).
 -- [caller]   Not SECURITY DEFINER (create_sink, drop_sink): runs with the caller's rights;
 --            its search_path is pinned all the same.
--- [native]   C functions (src/emit, src/sinks/check.rs) look objects up in the catalog by
---            schema; emit's one SPI statement names outbox.emit_many with exactly typed
---            arguments.
+-- [native]   C functions (src/emit, src/sinks/check.rs, src/claim/pruned.rs) look objects up
+--            in the catalog by schema; emit's one SPI statement names outbox.emit_many with
+--            exactly typed arguments; the claim's reads are [inside] functions whose
+--            statements name every object and function by schema.
 -- [worker]   The worker's session has search_path pg_catalog, pg_temp, and its statements
 --            name everything by schema, operators as OPERATOR(pg_catalog.x)
 --            (src/worker/session.rs, queries.rs, mod.rs).

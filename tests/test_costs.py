@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import keys_in_shard
 from relay import Relay
 
 
@@ -65,3 +66,111 @@ def test_status_counts_exactly_up_to_five_hundred_per_shard_and_estimates_beyond
                            FROM outbox.shard_status s""").fetchone()[0]
     Relay(db, "sink", batch_size=5000).drain()
     assert db.execute("SELECT sum(pending) FROM outbox.shard_status").fetchone()[0] == 0
+
+
+def event_partitions_locked(db) -> int:
+    """Partitions of outbox.events this backend holds a lock on, in its open transaction."""
+    return db.execute("""SELECT count(*) FROM pg_locks l JOIN pg_inherits i ON i.inhrelid = l.relation
+                          WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation'
+                            AND i.inhparent = 'outbox.events'::regclass""").fetchone()[0]
+
+
+def minute_partitions(db, ahead: int) -> int:
+    """The events table in one-minute partitions, `ahead` of them ahead of now (as bench/costs.sh
+    makes them); returns how many partitions it has."""
+    for (part,) in db.execute("SELECT partition FROM outbox.partitions "
+                              "WHERE parent = 'outbox.events'::regclass AND NOT is_default").fetchall():
+        db.execute(f"DROP TABLE {part}")
+    db.execute("DELETE FROM outbox._reach")   # their reach (days ahead) goes with them
+    db.execute("UPDATE outbox.partition_config SET width = '1 minute', ahead = %s "
+               "WHERE parent = 'outbox.events'::regclass", (ahead,))
+    db.execute("SELECT count(*) FROM outbox.maintain()")
+    return db.execute("SELECT count(*) FROM outbox.partitions WHERE parent = 'outbox.events'::regclass").fetchone()[0]
+
+
+def test_claims_and_settles_lock_only_the_partitions_they_may_read(db):
+    """A statement planned once for the session locks every partition at each execution; the
+    claim path's reads lock only those around their time range (the partition of now, the
+    next and the default): the first claim of a window (probe, late range, page), a claim
+    with a parked key, a settle with a failure (it reads its batch), an idle poll."""
+    assert minute_partitions(db, 60) > 60
+    db.execute("SELECT outbox.create_consumer('sink', backoff_base => '1 ms', backoff_max => '1 ms')")
+    relay = Relay(db, "sink", batch_size=10)
+    keys = keys_in_shard(db, 5, 3)
+    for i in range(30):
+        db.execute("SELECT outbox.emit('order', %s, 'e', %s::jsonb)", (keys[i % 3], f'{{"i": {i}}}'))
+
+    def locked_by(step):
+        with db.transaction():
+            result = step()
+            locked = event_partitions_locked(db)
+        assert locked <= 3, f"{step.__name__} locked {locked} event partitions"
+        return result
+
+    def first_claim():
+        return relay.claim()
+    batch = locked_by(first_claim)
+    assert len(batch) == 10
+
+    def settle_with_a_failure():
+        return relay.settle(batch[0].shard, batch[0].epoch, [Relay.failure(batch[0], "down", retry_after="0")])
+    locked_by(settle_with_a_failure)
+
+    def claim_with_a_parked_key():
+        return relay.claim()
+    delivered = {e.payload["i"] for e in batch if e.aggregate_id != batch[0].aggregate_id}
+    for _ in range(20):
+        got = locked_by(claim_with_a_parked_key)
+        if not got:
+            continue
+        delivered |= {e.payload["i"] for e in got}
+        relay.settle(got[0].shard, got[0].epoch)
+        if len(delivered) == 30:
+            break
+    assert delivered == set(range(30)), "every event is delivered across the minute partitions"
+
+    def idle_poll():
+        return relay.claim()
+    assert locked_by(idle_poll) == []
+
+
+def test_a_sessions_claims_follow_partitions_made_and_dropped_under_them(db, connect):
+    """The claim path's plans are kept for the session per pair of partition bounds: a
+    partition made or dropped afterwards (rows moved out of the default partition into it)
+    is read all the same, nothing lost or doubled, in order per key."""
+    minute_partitions(db, 2)
+    db.execute("SELECT outbox.create_consumer('sink')")
+    relay = Relay(connect(), "sink", batch_size=7)   # one session throughout
+    emitted, delivered = [], []
+
+    def emit(n):
+        for _ in range(n):
+            i = len(emitted)
+            db.execute("SELECT outbox.emit('order', %s, 'e', %s::jsonb)", (f"k{i % 4}", f'{{"i": {i}}}'))
+            emitted.append(i)
+
+    def drain():
+        delivered.extend(e.payload["i"] for e in relay.drain())
+
+    emit(20)
+    drain()
+    # now's partition goes (its rows into the default partition), then maintain moves them out
+    # into a partition made anew: the session's kept plans name neither arrangement
+    emit(20)
+    part = db.execute("SELECT partition FROM outbox.partitions WHERE parent = 'outbox.events'::regclass "
+                      "AND lower <= now() AND now() < upper").fetchone()[0]
+    db.execute(f"ALTER TABLE outbox.events DETACH PARTITION {part}")
+    db.execute(f"INSERT INTO outbox.events SELECT * FROM {part}")
+    db.execute(f"DROP TABLE {part}")
+    emit(5)
+    drain()
+    emit(5)
+    db.execute("SELECT count(*) FROM outbox.maintain()")   # moves the default partition's rows
+    assert db.execute("SELECT count(*) FROM outbox.events_default").fetchone()[0] == 0
+    emit(10)
+    drain()
+    assert sorted(delivered) == emitted, "nothing lost or doubled"
+    per_key = {}
+    for i in delivered:
+        per_key.setdefault(i % 4, []).append(i)
+    assert all(seq == sorted(seq) for seq in per_key.values()), "per-key order kept"
