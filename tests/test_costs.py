@@ -174,3 +174,21 @@ def test_a_sessions_claims_follow_partitions_made_and_dropped_under_them(db, con
     for i in delivered:
         per_key.setdefault(i % 4, []).append(i)
     assert all(seq == sorted(seq) for seq in per_key.values()), "per-key order kept"
+
+
+def test_partitions_bounded_by_infinity_leave_claims_working(db):
+    """A partition made by hand FROM ('-infinity') or TO ('infinity') has bounds no constant
+    in seconds can name: the claim path leaves them out of its bounds (a wider range)."""
+    minute_partitions(db, 2)
+    lowest, highest = db.execute("SELECT min(lower), max(upper) FROM outbox.partitions "
+                                 "WHERE parent = 'outbox.events'::regclass AND NOT is_default").fetchone()
+    db.execute("CREATE TABLE outbox.events_before PARTITION OF outbox.events "
+               f"FOR VALUES FROM ('-infinity') TO ('{lowest.isoformat()}')")
+    db.execute("CREATE TABLE outbox.events_after PARTITION OF outbox.events "
+               f"FOR VALUES FROM ('{highest.isoformat()}') TO ('infinity')")
+    db.execute("INSERT INTO outbox._reach (upper) VALUES ('infinity')")   # as after a restore
+    db.execute("SELECT outbox.create_consumer('sink')")
+    for i in range(5):
+        db.execute("SELECT outbox.emit('order', 'k', 'e', %s::jsonb)", (f'{{"i": {i}}}',))
+    relay = Relay(db, "sink")
+    assert [e.payload["i"] for e in relay.drain()] == list(range(5))

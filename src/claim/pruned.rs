@@ -15,13 +15,10 @@
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 
-/// The seq column of outbox.claimed and of outbox.events (sql/claim.sql, sql/events.sql).
-const CLAIMED_SEQ: i32 = 11;
-const EVENTS_SEQ: i32 = 10;
 /// Seconds from the Unix epoch (to_timestamp's) to PostgreSQL's (a timestamptz's zero).
 const POSTGRES_EPOCH_SECONDS: i64 = 946_684_800;
 /// Kept plans past which the cache starts again: pairs of bounds change as time goes by.
@@ -85,6 +82,7 @@ fn sql(statement: Statement) -> String {
 
 thread_local! {
     static PLANS: RefCell<HashMap<Statement, pg_sys::SPIPlanPtr>> = RefCell::new(HashMap::new());
+    static RUNNING: Cell<u32> = const { Cell::new(0) };
 }
 
 /// The version-1 call convention record PostgreSQL looks up for each C function.
@@ -115,25 +113,23 @@ unsafe fn nullable_arg(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> Option<pg_
     (!a.isnull).then_some(a.value)
 }
 
-/// A field of a cursor (an outbox._cursor_log argument), which must not be NULL.
-unsafe fn cursor_field(cursor: pg_sys::Datum, name: &CStr) -> pg_sys::Datum {
-    // flat: PL/pgSQL passes its variable as an expanded record
-    let tuple = pg_sys::pg_detoast_datum(cursor.cast_mut_ptr()) as pg_sys::HeapTupleHeader;
+/// A cursor (an outbox._cursor_log argument) as a flat row: PL/pgSQL passes its variable as
+/// an expanded record.
+unsafe fn flat_cursor(cursor: pg_sys::Datum) -> pg_sys::HeapTupleHeader {
+    pg_sys::pg_detoast_datum(cursor.cast_mut_ptr()) as pg_sys::HeapTupleHeader
+}
+
+/// A field of a flat cursor, which must not be NULL.
+unsafe fn cursor_field(cursor: pg_sys::HeapTupleHeader, name: &CStr) -> pg_sys::Datum {
     let mut null = false;
-    let value = pg_sys::GetAttributeByName(tuple, name.as_ptr(), &mut null);
+    let value = pg_sys::GetAttributeByName(cursor, name.as_ptr(), &mut null);
     if null {
         error!("outbox_ext: a claim's cursor has no {name:?}");
     }
     value
 }
 
-/// The result of a set-returning call, in materialize mode, as its declared row type.
-unsafe fn result_store(fcinfo: pg_sys::FunctionCallInfo) -> *mut pg_sys::Tuplestorestate {
-    pg_sys::InitMaterializedSRF(fcinfo, pg_sys::MAT_SRF_USE_EXPECTED_DESC as _);
-    (*((*fcinfo).resultinfo as *mut pg_sys::ReturnSetInfo)).setResult
-}
-
-/// Its type, as the call site declared it.
+/// Argument i's type, as the call site declared it.
 unsafe fn arg_type(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> pg_sys::Oid {
     pg_sys::get_fn_expr_argtype((*fcinfo).flinfo, i as i32)
 }
@@ -157,10 +153,11 @@ pub unsafe extern "C-unwind" fn outbox_claim_page(
 ) -> pg_sys::Datum {
     let cursor_type = arg_type(fcinfo, 0);
     let bounds = bounds_of(fcinfo, 4);
-    let mut page = RowReceiver::new(result_store(fcinfo), CLAIMED_SEQ);
+    let mut page = RowReceiver::for_result(fcinfo);
     // the shard and the next epoch as values: fields of $1 would be read again for every row
-    let shard = cursor_field(arg(fcinfo, 0), c"shard");
-    let epoch = pg_sys::Datum::from(cursor_field(arg(fcinfo, 0), c"epoch").value() as i64 + 1);
+    let cursor = flat_cursor(arg(fcinfo, 0));
+    let shard = cursor_field(cursor, c"shard");
+    let epoch = pg_sys::Datum::from(cursor_field(cursor, c"epoch").value() as i64 + 1);
     connect();
     run(
         Statement::Page(bounds, cursor_type),
@@ -171,7 +168,7 @@ pub unsafe extern "C-unwind" fn outbox_claim_page(
             (pg_sys::INT8OID, Some(epoch)),
         ],
         false,
-        &mut page.base,
+        (&raw mut page).cast(),
     );
     if page.count > 0 {
         let exhausted = page.count < i64::from(arg(fcinfo, 1).value() as i32);
@@ -210,18 +207,21 @@ pub unsafe extern "C-unwind" fn outbox_window_events(
     };
     let cursor_type = arg_type(fcinfo, 0);
     let bounds = window_bounds(since.value() as i64, until.value() as i64);
-    let mut rows = RowReceiver::new(result_store(fcinfo), EVENTS_SEQ);
+    let mut rows = RowReceiver::for_result(fcinfo);
     connect();
     run(
         Statement::Events(bounds, cursor_type),
         &[
             (cursor_type, Some(cursor)),
             (pg_sys::INT8OID, nullable_arg(fcinfo, 1)),
-            (pg_sys::INT4OID, Some(cursor_field(cursor, c"shard"))),
+            (
+                pg_sys::INT4OID,
+                Some(cursor_field(flat_cursor(cursor), c"shard")),
+            ),
             (pg_sys::INT4OID, nullable_arg(fcinfo, 2)),
         ],
         true,
-        &mut rows.base,
+        (&raw mut rows).cast(),
     );
     finish();
     pg_sys::Datum::from(0)
@@ -294,7 +294,7 @@ unsafe fn finish() {
 unsafe fn column(i: i32) -> Option<pg_sys::Datum> {
     let table = pg_sys::SPI_tuptable;
     if table.is_null() || pg_sys::SPI_processed != 1 {
-        error!("outbox_ext: a claim's statement returned no row");
+        error!("outbox_ext: a claim's statement did not return one row");
     }
     let mut null = false;
     let value = pg_sys::SPI_getbinval(*(*table).vals, (*table).tupdesc, i, &mut null);
@@ -328,13 +328,33 @@ unsafe fn run(
         dest,
         owner: std::ptr::null_mut(),
     };
+    let running = Running::start();
     let rc = pg_sys::SPI_execute_plan_extended(plan, &options);
+    drop(running);
     if rc < 0 {
         error!("outbox_ext: a claim's statement failed ({rc})");
     }
 }
 
-/// Prepares and keeps a statement; when too many are kept, the others go first.
+/// Statements of ours executing in this backend: while one is (a nested call, were there
+/// one), no kept plan is freed, for it may be that statement's.
+struct Running;
+
+impl Running {
+    fn start() -> Running {
+        RUNNING.with(|n| n.set(n.get() + 1));
+        Running
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        RUNNING.with(|n| n.set(n.get() - 1)); // on an ERROR too: it unwinds through here
+    }
+}
+
+/// Prepares and keeps a statement; when too many are kept and none is running, the others go
+/// first.
 unsafe fn prepare(statement: Statement, params: &[Param]) -> pg_sys::SPIPlanPtr {
     let text = CString::new(sql(statement)).expect("no NUL in SQL");
     let mut types: Vec<pg_sys::Oid> = params.iter().map(|(t, _)| *t).collect();
@@ -344,7 +364,7 @@ unsafe fn prepare(statement: Statement, params: &[Param]) -> pg_sys::SPIPlanPtr 
     }
     let old: Vec<pg_sys::SPIPlanPtr> = PLANS.with(|plans| {
         let mut plans = plans.borrow_mut();
-        let old = if plans.len() >= MAX_PLANS {
+        let old = if plans.len() >= MAX_PLANS && RUNNING.with(Cell::get) == 0 {
             plans.drain().map(|(_, p)| p).collect()
         } else {
             Vec::new()
@@ -359,7 +379,8 @@ unsafe fn prepare(statement: Statement, params: &[Param]) -> pg_sys::SPIPlanPtr 
 }
 
 /// The bounds of outbox.events' partitions around [since, until): the greatest at or below
-/// since and the least at or above until, rounded outwards to whole seconds.
+/// since and the least at or above until, rounded outwards to whole seconds (the statements
+/// name them with to_timestamp, which takes seconds).
 unsafe fn window_bounds(since: i64, until: i64) -> Bounds {
     use pg_sys::PartitionRangeDatumKind::PARTITION_RANGE_DATUM_VALUE;
     let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), false);
@@ -381,6 +402,9 @@ unsafe fn window_bounds(since: i64, until: i64) -> Bounds {
                 continue;
             }
             let at = (**(*bounds).datums.add(i)).value() as i64;
+            if at == i64::MIN || at == i64::MAX {
+                continue; // FROM ('-infinity') or TO ('infinity'): no finite bound to name
+            }
             let seconds = at.div_euclid(1_000_000) + POSTGRES_EPOCH_SECONDS;
             if at <= since {
                 lo = Some(seconds);
@@ -400,26 +424,62 @@ unsafe fn window_bounds(since: i64, until: i64) -> Bounds {
 struct RowReceiver {
     base: pg_sys::DestReceiver,
     store: *mut pg_sys::Tuplestorestate,
+    /// the result's row type, which the statement's rows must have
+    expected: pg_sys::TupleDesc,
+    /// the seq column (from 1), found by name when the statement starts
     seq_column: i32,
     count: i64,
     last_seq: i64,
 }
 
 impl RowReceiver {
-    fn new(store: *mut pg_sys::Tuplestorestate, seq_column: i32) -> RowReceiver {
+    /// A receiver for the result of a set-returning call, in materialize mode, as the row type
+    /// the call declares.
+    unsafe fn for_result(fcinfo: pg_sys::FunctionCallInfo) -> RowReceiver {
+        pg_sys::InitMaterializedSRF(fcinfo, pg_sys::MAT_SRF_USE_EXPECTED_DESC as _);
+        let result = (*fcinfo).resultinfo as *mut pg_sys::ReturnSetInfo;
         RowReceiver {
             base: pg_sys::DestReceiver {
                 receiveSlot: Some(receive_slot),
                 rStartup: Some(startup),
                 rShutdown: Some(nothing),
                 rDestroy: Some(nothing),
-                mydest: pg_sys::CommandDest::DestTuplestore,
+                mydest: pg_sys::CommandDest::DestTuplestore, // not read: SPI runs the callbacks
             },
-            store,
-            seq_column,
+            store: (*result).setResult,
+            expected: (*result).setDesc,
+            seq_column: 0,
             count: 0,
             last_seq: 0,
         }
+    }
+}
+
+/// Checks that the statement's rows have the result's row type, column for column (a column
+/// dropped from it would shift every later one), and finds seq.
+#[pg_guard]
+unsafe extern "C-unwind" fn startup(
+    dest: *mut pg_sys::DestReceiver,
+    _operation: i32,
+    rows: pg_sys::TupleDesc,
+) {
+    let me = dest as *mut RowReceiver;
+    let expected = (*me).expected;
+    let column = |desc: pg_sys::TupleDesc, i: usize| &*(*desc).attrs.as_ptr().add(i);
+    let n = (*rows).natts;
+    let same = n == (*expected).natts
+        && (0..n as usize).all(|i| {
+            let (a, b) = (column(rows, i), column(expected, i));
+            a.atttypid == b.atttypid && !b.attisdropped
+        });
+    if !same {
+        error!("outbox_ext: a claim's rows do not have the row type of its result");
+    }
+    let seq = (0..n as usize)
+        .find(|&i| CStr::from_ptr(column(expected, i).attname.data.as_ptr()) == c"seq");
+    match seq {
+        Some(i) => (*me).seq_column = i as i32 + 1,
+        None => error!("outbox_ext: a claim's rows have no seq"),
     }
 }
 
@@ -439,7 +499,5 @@ unsafe extern "C-unwind" fn receive_slot(
     true
 }
 
-// no pg_guard on the two below: they do nothing that could raise or panic
-unsafe extern "C-unwind" fn startup(_: *mut pg_sys::DestReceiver, _: i32, _: pg_sys::TupleDesc) {}
-
+// no pg_guard: it does nothing that could raise or panic
 unsafe extern "C-unwind" fn nothing(_: *mut pg_sys::DestReceiver) {}
