@@ -15,6 +15,7 @@
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
+use pgrx::PgTupleDesc;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -464,20 +465,17 @@ unsafe extern "C-unwind" fn startup(
     rows: pg_sys::TupleDesc,
 ) {
     let me = dest as *mut RowReceiver;
-    let expected = (*me).expected;
-    let column = |desc: pg_sys::TupleDesc, i: usize| &*(*desc).attrs.as_ptr().add(i);
-    let n = (*rows).natts;
-    let same = n == (*expected).natts
-        && (0..n as usize).all(|i| {
-            let (a, b) = (column(rows, i), column(expected, i));
-            a.atttypid == b.atttypid && !b.attisdropped
-        });
+    let rows = PgTupleDesc::from_pg_unchecked(rows);
+    let expected = PgTupleDesc::from_pg_unchecked((*me).expected);
+    let same = rows.len() == expected.len()
+        && rows
+            .iter()
+            .zip(expected.iter())
+            .all(|(a, b)| a.atttypid == b.atttypid && !b.attisdropped);
     if !same {
         error!("outbox_ext: a claim's rows do not have the row type of its result");
     }
-    let seq = (0..n as usize)
-        .find(|&i| CStr::from_ptr(column(expected, i).attname.data.as_ptr()) == c"seq");
-    match seq {
+    match expected.iter().position(|attr| attr.name() == "seq") {
         Some(i) => (*me).seq_column = i as i32 + 1,
         None => error!("outbox_ext: a claim's rows have no seq"),
     }
