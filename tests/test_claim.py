@@ -478,3 +478,20 @@ def test_a_claim_after_a_write_is_refused_even_with_nothing_to_read(db, consumer
         db.execute("CREATE TEMP TABLE t (x int)")
         db.execute("INSERT INTO t VALUES (1)")   # any write, nothing pending at all
         db.execute("SELECT * FROM outbox.claim('sink')")
+
+
+def test_a_page_goes_only_into_the_result_of_a_claim_in_progress(db, consumer):
+    """A claim's page is written into the result of the claim in progress (src/claim/result.rs).
+    A claim that fails in a transaction that goes on leaves none behind: a page read after it,
+    outside any claim, is refused instead of written into the failed claim's freed result."""
+    emit(db, "k", 3)
+    page = ("SELECT outbox_internal._claim_page(outbox_internal._cursor((outbox_internal._consumer('sink')).id, 0),"
+            " 10, 'x', '1 minute', '-infinity', 'infinity')")
+    with db.transaction():
+        with pytest.raises(psycopg.errors.InvalidParameterValue), db.transaction():
+            db.execute("SELECT * FROM outbox.claim('sink', 0)")   # fails inside the claim
+        with pytest.raises(psycopg.errors.InternalError_) as err, db.transaction():
+            db.execute(page)
+        assert "only inside a claim" in str(err.value)
+    relay = Relay(db, "sink")
+    assert sorted(e.aggregate_id for e in relay.claim()) == ["k", "k", "k"]

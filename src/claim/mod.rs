@@ -1,10 +1,42 @@
 //! Claims: consumers read the event log per shard, in commit order, under leases, with key
 //! isolation, retries and dead letters. Almost all of it is SQL (sql/claim.sql): relays in any
-//! language and the background worker call the same functions. `pruned` runs a claim's reads of
-//! the event log so that they lock only the partitions they may read.
+//! language and the background worker call the same functions. Native parts: `result` makes
+//! outbox.claim's and outbox.settle_and_claim's results, `pruned` runs a claim's reads of the
+//! event log so that they lock only the partitions they may read, with the statements of
+//! `statements`.
 
-mod pruned;
-
+use pgrx::pg_sys;
 use pgrx::prelude::*;
 
+/// The version-1 call convention record PostgreSQL looks up for each C function.
+macro_rules! v1 {
+    ($($finfo:ident),*) => {$(
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $finfo() -> &'static pg_sys::Pg_finfo_record {
+            const V1: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+            &V1
+        }
+    )*};
+}
+
+mod pruned;
+mod result;
+mod statements;
+
 extension_sql_file!("../../sql/claim.sql", name = "claim", requires = ["events"]);
+
+/// Argument i of a call, as passed (where the function is STRICT, or the argument never NULL).
+unsafe fn arg(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> pg_sys::Datum {
+    (*(*fcinfo).args.as_ptr().add(i)).value
+}
+
+/// Argument i of a call, None when NULL.
+unsafe fn nullable_arg(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> Option<pg_sys::Datum> {
+    let a = *(*fcinfo).args.as_ptr().add(i);
+    (!a.isnull).then_some(a.value)
+}
+
+/// Argument i's type, as the call site declared it.
+unsafe fn arg_type(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> pg_sys::Oid {
+    pg_sys::get_fn_expr_argtype((*fcinfo).flinfo, i as i32)
+}

@@ -1,0 +1,202 @@
+//! A claim's result. outbox.claim and outbox.settle_and_claim are native so that the events a
+//! claim hands out go from the executor into the call's result once. Their bodies are PL/pgSQL
+//! (`_claim_body` and `_settle_and_claim_body` in sql/claim.sql); a page of a window, the bulk
+//! of every claim, is written by `_claim_page` (pruned.rs) straight into the result of the
+//! claim in progress, and the rows a body returns itself (the parked path's) follow it there.
+//! (Passed up through PL/pgSQL's RETURN QUERY, every row was copied again in each function on
+//! the way: two more copies, a quarter of a claim of 1,000 events.) A row written there stays
+//! whatever happens after, so no exception handler in a body may catch an error from below
+//! `_claim_page`: an error ends the claim (and InProgress forgets its result).
+
+use super::nullable_arg;
+use super::statements::{connect, finish, run, Param, Statement};
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use pgrx::PgTupleDesc;
+use std::cell::Cell;
+
+v1!(pg_finfo_outbox_claim, pg_finfo_outbox_settle_and_claim);
+
+/// Where rows go: a result being built, and its row type.
+#[derive(Clone, Copy)]
+struct Target {
+    store: *mut pg_sys::Tuplestorestate,
+    desc: pg_sys::TupleDesc,
+}
+
+thread_local! {
+    /// The result of the claim in progress in this backend, where its page goes.
+    static CLAIM: Cell<Option<Target>> = const { Cell::new(None) };
+}
+
+/// `outbox.claim(consumer text, batch_size int, lease interval, owner text)`.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn outbox_claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    use pg_sys::{INT4OID, INTERVALOID, TEXTOID};
+    run_body(
+        fcinfo,
+        Statement::ClaimBody,
+        &[TEXTOID, INT4OID, INTERVALOID, TEXTOID],
+    )
+}
+
+/// `outbox.settle_and_claim(consumer text, shard int, epoch bigint, failures jsonb,
+/// batch_size int, lease interval, owner text)`.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn outbox_settle_and_claim(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    use pg_sys::{INT4OID, INT8OID, INTERVALOID, JSONBOID, TEXTOID};
+    let types = [
+        TEXTOID,
+        INT4OID,
+        INT8OID,
+        JSONBOID,
+        INT4OID,
+        INTERVALOID,
+        TEXTOID,
+    ];
+    run_body(fcinfo, Statement::SettleAndClaimBody, &types)
+}
+
+/// Runs a claim's body with the call's arguments (of the given types), as the claim in
+/// progress: the rows of its page and the rows it returns make the call's result.
+unsafe fn run_body(
+    fcinfo: pg_sys::FunctionCallInfo,
+    body: Statement,
+    types: &[pg_sys::Oid],
+) -> pg_sys::Datum {
+    if (*fcinfo).nargs as usize != types.len() {
+        error!(
+            "outbox_ext: a claim was called with {} arguments",
+            (*fcinfo).nargs
+        );
+    }
+    let params: Vec<Param> = (0..types.len())
+        .map(|i| (types[i], nullable_arg(fcinfo, i)))
+        .collect();
+    let mut rows = RowReceiver::for_result(fcinfo);
+    let claim = InProgress::start(Target {
+        store: rows.store,
+        desc: rows.expected,
+    });
+    connect();
+    run(body, &params, false, (&raw mut rows).cast());
+    finish();
+    drop(claim);
+    pg_sys::Datum::from(0)
+}
+
+/// The claim in progress while it lives; the one before (none, unless claims nest) after.
+struct InProgress(Option<Target>);
+
+impl InProgress {
+    fn start(target: Target) -> InProgress {
+        InProgress(CLAIM.with(|claim| claim.replace(Some(target))))
+    }
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        CLAIM.with(|claim| claim.set(self.0)); // on an ERROR too: it unwinds through here
+    }
+}
+
+/// Where a statement's rows go: into the function's result, counted, with the last seq kept
+/// (rows come in seq order) for a page's claim row.
+#[repr(C)]
+pub struct RowReceiver {
+    base: pg_sys::DestReceiver,
+    store: *mut pg_sys::Tuplestorestate,
+    /// the result's row type, which the statement's rows must have
+    expected: pg_sys::TupleDesc,
+    /// the seq column (from 1), found by name when the statement starts
+    seq_column: i32,
+    pub count: i64,
+    pub last_seq: i64,
+}
+
+impl RowReceiver {
+    /// A receiver for the result of a set-returning call, in materialize mode, as the row type
+    /// the call declares.
+    pub unsafe fn for_result(fcinfo: pg_sys::FunctionCallInfo) -> RowReceiver {
+        pg_sys::InitMaterializedSRF(fcinfo, pg_sys::MAT_SRF_USE_EXPECTED_DESC as _);
+        let result = (*fcinfo).resultinfo as *mut pg_sys::ReturnSetInfo;
+        RowReceiver::into(Target {
+            store: (*result).setResult,
+            desc: (*result).setDesc,
+        })
+    }
+
+    /// A receiver for the result of the claim in progress (outbox.claim's or
+    /// outbox.settle_and_claim's).
+    pub unsafe fn for_claim() -> RowReceiver {
+        match CLAIM.with(Cell::get) {
+            Some(target) => RowReceiver::into(target),
+            None => error!("outbox_ext: a claim's page is read only inside a claim"),
+        }
+    }
+
+    fn into(target: Target) -> RowReceiver {
+        RowReceiver {
+            base: pg_sys::DestReceiver {
+                receiveSlot: Some(receive_slot),
+                rStartup: Some(startup),
+                rShutdown: Some(nothing),
+                rDestroy: Some(nothing),
+                mydest: pg_sys::CommandDest::DestTuplestore, // not read: SPI runs the callbacks
+            },
+            store: target.store,
+            expected: target.desc,
+            seq_column: 0,
+            count: 0,
+            last_seq: 0,
+        }
+    }
+}
+
+/// Checks that the statement's rows have the result's row type, column for column (a column
+/// dropped from it would shift every later one), and finds seq.
+#[pg_guard]
+unsafe extern "C-unwind" fn startup(
+    dest: *mut pg_sys::DestReceiver,
+    _operation: i32,
+    rows: pg_sys::TupleDesc,
+) {
+    let me = dest as *mut RowReceiver;
+    let rows = PgTupleDesc::from_pg_unchecked(rows);
+    let expected = PgTupleDesc::from_pg_unchecked((*me).expected);
+    let same = rows.len() == expected.len()
+        && rows
+            .iter()
+            .zip(expected.iter())
+            .all(|(a, b)| a.atttypid == b.atttypid && !b.attisdropped);
+    if !same {
+        error!("outbox_ext: a claim's rows do not have the row type of its result");
+    }
+    match expected.iter().position(|attr| attr.name() == "seq") {
+        Some(i) => (*me).seq_column = i as i32 + 1,
+        None => error!("outbox_ext: a claim's rows have no seq"),
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn receive_slot(
+    slot: *mut pg_sys::TupleTableSlot,
+    dest: *mut pg_sys::DestReceiver,
+) -> bool {
+    let me = dest as *mut RowReceiver;
+    let column = (*me).seq_column;
+    if i32::from((*slot).tts_nvalid) < column {
+        pg_sys::slot_getsomeattrs_int(slot, column);
+    }
+    (*me).last_seq = (*(*slot).tts_values.add(column as usize - 1)).value() as i64;
+    (*me).count += 1;
+    pg_sys::tuplestore_puttupleslot((*me).store, slot);
+    true
+}
+
+// no pg_guard: it does nothing that could raise or panic
+unsafe extern "C-unwind" fn nothing(_: *mut pg_sys::DestReceiver) {}

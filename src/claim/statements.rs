@@ -1,0 +1,183 @@
+//! The statements of claims' native functions (pruned.rs, result.rs), prepared on first use
+//! and kept for the session.
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::ffi::CString;
+
+/// Kept plans past which the cache starts again: pairs of bounds change as time goes by.
+const MAX_PLANS: usize = 64;
+
+/// Partition bounds around a time range, in seconds since the Unix epoch (None: infinite).
+pub type Bounds = (Option<i64>, Option<i64>);
+
+/// A statement's parameter: its type and value (None: NULL).
+pub type Param = (pg_sys::Oid, Option<pg_sys::Datum>);
+
+/// The statements kept for the session.
+#[derive(Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Statement {
+    /// a claim's page, with outbox._cursor_log's type
+    Page(Bounds, pg_sys::Oid),
+    /// the claim row of a page
+    Claimed(pg_sys::Oid),
+    /// events of a window, with outbox._cursor_log's type
+    Events(Bounds, pg_sys::Oid),
+    /// whether shards have events above their floors
+    AnyEvents(Bounds),
+    /// the seq range of late transactions' events
+    LateRange(Bounds),
+    /// outbox.claim's body, whose rows go into the result of outbox.claim (result.rs)
+    ClaimBody,
+    /// outbox.settle_and_claim's body, likewise
+    SettleAndClaimBody,
+}
+
+/// The SQL of a statement. Every name is schema-qualified: callers pin search_path.
+fn sql(statement: Statement) -> String {
+    let bounds = |(lo, hi): Bounds| {
+        let at = |b: Option<i64>, infinite: &str| match b {
+            Some(seconds) => format!("pg_catalog.to_timestamp({seconds})"),
+            None => format!("'{infinite}'::pg_catalog.timestamptz"),
+        };
+        format!("{}, {}", at(lo, "-infinity"), at(hi, "infinity"))
+    };
+    match statement {
+        Statement::Page(b, _) => format!(
+            "SELECT $3, $4, w.id, w.topic, w.aggregate_type, w.aggregate_id, w.event_type, \
+                    w.payload, w.headers, w.created_at, w.seq, 1 \
+               FROM outbox_internal._window($3, $1, NULL, $2, {}) AS w",
+            bounds(b)
+        ),
+        Statement::Claimed(_) => "SELECT outbox_internal._append(\
+                                      outbox_internal._claimed($1, $2, $3, $4, $5, '{}'))"
+            .to_string(),
+        Statement::Events(b, _) => format!(
+            "SELECT w.* FROM outbox_internal._window($3, $1, $2, $4, {}) AS w",
+            bounds(b)
+        ),
+        Statement::AnyEvents(b) => format!(
+            "SELECT EXISTS (SELECT FROM outbox_internal._shards_with_events($1, $2, {}))",
+            bounds(b)
+        ),
+        Statement::LateRange(b) => format!(
+            "SELECT pg_catalog.min(l.seq), pg_catalog.max(l.seq) \
+               FROM outbox_internal._late_seqs($1, $2, $3, $4, {}) AS l(seq)",
+            bounds(b)
+        ),
+        Statement::ClaimBody => {
+            "SELECT * FROM outbox_internal._claim_body($1, $2, $3, $4)".to_string()
+        }
+        Statement::SettleAndClaimBody => {
+            "SELECT * FROM outbox_internal._settle_and_claim_body($1, $2, $3, $4, $5, $6, $7)"
+                .to_string()
+        }
+    }
+}
+
+thread_local! {
+    static PLANS: RefCell<HashMap<Statement, pg_sys::SPIPlanPtr>> = RefCell::new(HashMap::new());
+    static RUNNING: Cell<u32> = const { Cell::new(0) };
+}
+
+pub unsafe fn connect() {
+    if pg_sys::SPI_connect() != pg_sys::SPI_OK_CONNECT as i32 {
+        error!("outbox_ext: SPI_connect failed");
+    }
+}
+
+pub unsafe fn finish() {
+    if pg_sys::SPI_finish() != pg_sys::SPI_OK_FINISH as i32 {
+        error!("outbox_ext: SPI_finish failed");
+    }
+}
+
+/// Column i (from 1) of the one row the last statement returned into SPI_tuptable (by value).
+pub unsafe fn column(i: i32) -> Option<pg_sys::Datum> {
+    let table = pg_sys::SPI_tuptable;
+    if table.is_null() || pg_sys::SPI_processed != 1 {
+        error!("outbox_ext: a claim's statement did not return one row");
+    }
+    let mut null = false;
+    let value = pg_sys::SPI_getbinval(*(*table).vals, (*table).tupdesc, i, &mut null);
+    (!null).then_some(value)
+}
+
+/// Runs a kept statement (prepared on first use) with the given parameters, into `dest` (or
+/// SPI_tuptable when null). read_only: in the caller's snapshot, for reads.
+pub unsafe fn run(
+    statement: Statement,
+    params: &[Param],
+    read_only: bool,
+    dest: *mut pg_sys::DestReceiver,
+) {
+    let plan = PLANS.with(|plans| plans.borrow().get(&statement).copied());
+    let plan = plan.unwrap_or_else(|| prepare(statement, params));
+    let list = pg_sys::makeParamList(params.len() as i32);
+    for (i, (ptype, value)) in params.iter().enumerate() {
+        let p = (*list).params.as_mut_ptr().add(i);
+        (*p).value = value.unwrap_or(pg_sys::Datum::from(0));
+        (*p).isnull = value.is_none();
+        (*p).pflags = pg_sys::PARAM_FLAG_CONST as u16;
+        (*p).ptype = *ptype;
+    }
+    let options = pg_sys::SPIExecuteOptions {
+        params: list,
+        read_only,
+        allow_nonatomic: false,
+        must_return_tuples: false,
+        tcount: 0,
+        dest,
+        owner: std::ptr::null_mut(),
+    };
+    let running = Running::start();
+    let rc = pg_sys::SPI_execute_plan_extended(plan, &options);
+    drop(running);
+    if rc < 0 {
+        error!("outbox_ext: a claim's statement failed ({rc})");
+    }
+}
+
+/// Statements of ours executing in this backend: while one is (a nested call, were there
+/// one), no kept plan is freed, for it may be that statement's.
+struct Running;
+
+impl Running {
+    fn start() -> Running {
+        RUNNING.with(|n| n.set(n.get() + 1));
+        Running
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        RUNNING.with(|n| n.set(n.get() - 1)); // on an ERROR too: it unwinds through here
+    }
+}
+
+/// Prepares and keeps a statement; when too many are kept and none is running, the others go
+/// first.
+unsafe fn prepare(statement: Statement, params: &[Param]) -> pg_sys::SPIPlanPtr {
+    let text = CString::new(sql(statement)).expect("no NUL in SQL");
+    let mut types: Vec<pg_sys::Oid> = params.iter().map(|(t, _)| *t).collect();
+    let plan = pg_sys::SPI_prepare(text.as_ptr(), types.len() as i32, types.as_mut_ptr());
+    if plan.is_null() || pg_sys::SPI_keepplan(plan) != 0 {
+        error!("outbox_ext: could not prepare a claim's statement");
+    }
+    let old: Vec<pg_sys::SPIPlanPtr> = PLANS.with(|plans| {
+        let mut plans = plans.borrow_mut();
+        let old = if plans.len() >= MAX_PLANS && RUNNING.with(Cell::get) == 0 {
+            plans.drain().map(|(_, p)| p).collect()
+        } else {
+            Vec::new()
+        };
+        plans.insert(statement, plan);
+        old
+    });
+    for p in old {
+        pg_sys::SPI_freeplan(p);
+    }
+    plan
+}
