@@ -28,10 +28,12 @@
 --            pg_temp (the control file's schema is pg_catalog).
 -- [caller]   Not SECURITY DEFINER (create_sink, drop_sink): runs with the caller's rights;
 --            its search_path is pinned all the same.
--- [native]   C functions (src/emit, src/sinks/check.rs, src/claim/pruned.rs) look objects up
---            in the catalog by schema; emit's one SPI statement names outbox.emit_many with
---            exactly typed arguments; the claim's reads are [inside] functions whose
---            statements name every object and function by schema.
+-- [native]   C functions (src/emit, src/sinks/check.rs, src/claim) look objects up in the
+--            catalog by schema; emit's one SPI statement names outbox.emit_many with exactly
+--            typed arguments; outbox.claim and outbox.settle_and_claim are also [pinned], and
+--            run their [inside] bodies with exactly typed arguments; the claim's reads are
+--            [inside] functions; every statement of theirs names every object and function
+--            by schema (src/claim/statements.rs).
 -- [worker]   The worker's session has search_path pg_catalog, pg_temp, and its statements
 --            name everything by schema, operators as OPERATOR(pg_catalog.x)
 --            (src/worker/session.rs, queries.rs, mod.rs).

@@ -495,3 +495,25 @@ def test_a_page_goes_only_into_the_result_of_a_claim_in_progress(db, consumer):
         assert "only inside a claim" in str(err.value)
     relay = Relay(db, "sink")
     assert sorted(e.aggregate_id for e in relay.claim()) == ["k", "k", "k"]
+
+
+def test_a_page_is_refused_in_a_subtransaction_inside_a_claim(db, consumer):
+    """A row written into a claim's result stays there whatever happens after, so a page read
+    inside an exception block within a claim (here a superuser's trigger on the claim row,
+    rolling its block back after the page) is refused: the claim hands out its events once."""
+    db.execute("""CREATE FUNCTION public.page_in_a_subtransaction() RETURNS trigger LANGUAGE plpgsql AS $$
+                  BEGIN
+                      IF pg_catalog.pg_trigger_depth() = 1 AND NEW.owner IS NOT NULL THEN
+                          BEGIN
+                              PERFORM outbox_internal._claim_page(NEW, 10, 'x', '1 minute', '-infinity', 'infinity');
+                              RAISE EXCEPTION 'roll the block back';
+                          EXCEPTION WHEN OTHERS THEN NULL;
+                          END;
+                      END IF;
+                      RETURN NEW;
+                  END $$""")
+    db.execute("CREATE TRIGGER page_in_a_subtransaction AFTER INSERT ON outbox._cursor_log "
+               "FOR EACH ROW EXECUTE FUNCTION public.page_in_a_subtransaction()")
+    emit(db, "k", 3)
+    ids = [e.id for e in Relay(db, "sink").claim()]
+    assert len(ids) == 3 and len(set(ids)) == 3

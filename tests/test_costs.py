@@ -176,6 +176,22 @@ def test_a_sessions_claims_follow_partitions_made_and_dropped_under_them(db, con
     assert all(seq == sorted(seq) for seq in per_key.values()), "per-key order kept"
 
 
+def test_a_session_that_only_claims_keeps_a_bounded_number_of_plans(db, connect):
+    """The claim path keeps a plan per pair of partition bounds and lets them go past 64
+    (src/claim/statements.rs), also while a claim's body runs them: a session that only claims,
+    as the worker's does, keeps no more however often the bounds move."""
+    minute_partitions(db, 100)
+    db.execute("SELECT outbox.create_consumer('sink')")
+    conn = connect()
+    relay = Relay(conn, "sink")
+    for minutes in range(1, 91):   # the reach a minute further each time: new bounds to probe
+        db.execute("INSERT INTO outbox._reach (upper) VALUES (now() + %s * interval '1 minute')", (minutes,))
+        assert relay.claim() == []
+    kept = conn.execute("SELECT count(*) FROM pg_backend_memory_contexts "
+                        "WHERE name = 'CachedPlanSource' AND ident LIKE '%_shards_with_events%'").fetchone()[0]
+    assert 0 < kept <= 64
+
+
 def test_partitions_bounded_by_infinity_leave_claims_working(db):
     """A partition made by hand FROM ('-infinity') or TO ('infinity') has bounds no constant
     in seconds can name: the claim path leaves them out of its bounds (a wider range)."""

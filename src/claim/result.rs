@@ -5,8 +5,9 @@
 //! claim in progress, and the rows a body returns itself (the parked path's) follow it there.
 //! (Passed up through PL/pgSQL's RETURN QUERY, every row was copied again in each function on
 //! the way: two more copies, a quarter of a claim of 1,000 events.) A row written there stays
-//! whatever happens after, so no exception handler in a body may catch an error from below
-//! `_claim_page`: an error ends the claim (and InProgress forgets its result).
+//! whatever happens after, so a page is refused inside a subtransaction the claim did not
+//! start in (an exception handler's block, which could catch an error after the page and roll
+//! back its claim row): an error ends the claim, and InProgress forgets its result.
 
 use super::nullable_arg;
 use super::statements::{connect, finish, run, Param, Statement};
@@ -24,9 +25,16 @@ struct Target {
     desc: pg_sys::TupleDesc,
 }
 
+/// A claim in progress: its result, and the subtransaction it runs in.
+#[derive(Clone, Copy)]
+struct Claim {
+    result: Target,
+    subtransaction: pg_sys::SubTransactionId,
+}
+
 thread_local! {
-    /// The result of the claim in progress in this backend, where its page goes.
-    static CLAIM: Cell<Option<Target>> = const { Cell::new(None) };
+    /// The claim in progress in this backend, into whose result its page goes.
+    static CLAIM: Cell<Option<Claim>> = const { Cell::new(None) };
 }
 
 /// `outbox.claim(consumer text, batch_size int, lease interval, owner text)`.
@@ -78,9 +86,9 @@ unsafe fn run_body(
         .map(|i| (types[i], nullable_arg(fcinfo, i)))
         .collect();
     let mut rows = RowReceiver::for_result(fcinfo);
-    let claim = InProgress::start(Target {
-        store: rows.store,
-        desc: rows.expected,
+    let claim = InProgress::start(Claim {
+        result: rows.target(),
+        subtransaction: pg_sys::GetCurrentSubTransactionId(),
     });
     connect();
     run(body, &params, false, (&raw mut rows).cast());
@@ -90,17 +98,17 @@ unsafe fn run_body(
 }
 
 /// The claim in progress while it lives; the one before (none, unless claims nest) after.
-struct InProgress(Option<Target>);
+struct InProgress(Option<Claim>);
 
 impl InProgress {
-    fn start(target: Target) -> InProgress {
-        InProgress(CLAIM.with(|claim| claim.replace(Some(target))))
+    fn start(claim: Claim) -> InProgress {
+        InProgress(CLAIM.with(|current| current.replace(Some(claim))))
     }
 }
 
 impl Drop for InProgress {
     fn drop(&mut self) {
-        CLAIM.with(|claim| claim.set(self.0)); // on an ERROR too: it unwinds through here
+        CLAIM.with(|current| current.set(self.0)); // on an ERROR too: it unwinds through here
     }
 }
 
@@ -124,22 +132,32 @@ impl RowReceiver {
     pub unsafe fn for_result(fcinfo: pg_sys::FunctionCallInfo) -> RowReceiver {
         pg_sys::InitMaterializedSRF(fcinfo, pg_sys::MAT_SRF_USE_EXPECTED_DESC as _);
         let result = (*fcinfo).resultinfo as *mut pg_sys::ReturnSetInfo;
-        RowReceiver::into(Target {
+        RowReceiver::writing_into(Target {
             store: (*result).setResult,
             desc: (*result).setDesc,
         })
     }
 
     /// A receiver for the result of the claim in progress (outbox.claim's or
-    /// outbox.settle_and_claim's).
+    /// outbox.settle_and_claim's), in the subtransaction the claim runs in.
     pub unsafe fn for_claim() -> RowReceiver {
         match CLAIM.with(Cell::get) {
-            Some(target) => RowReceiver::into(target),
+            Some(claim) if claim.subtransaction == pg_sys::GetCurrentSubTransactionId() => {
+                RowReceiver::writing_into(claim.result)
+            }
+            Some(_) => error!("outbox_ext: a claim's page is read only where the claim began, not in a subtransaction"),
             None => error!("outbox_ext: a claim's page is read only inside a claim"),
         }
     }
 
-    fn into(target: Target) -> RowReceiver {
+    fn target(&self) -> Target {
+        Target {
+            store: self.store,
+            desc: self.expected,
+        }
+    }
+
+    fn writing_into(target: Target) -> RowReceiver {
         RowReceiver {
             base: pg_sys::DestReceiver {
                 receiveSlot: Some(receive_slot),

@@ -35,6 +35,13 @@ pub enum Statement {
     SettleAndClaimBody,
 }
 
+impl Statement {
+    /// Whether it is a claim's body, which runs the others (src/claim/result.rs).
+    fn is_body(self) -> bool {
+        matches!(self, Statement::ClaimBody | Statement::SettleAndClaimBody)
+    }
+}
+
 /// The SQL of a statement. Every name is schema-qualified: callers pin search_path.
 fn sql(statement: Statement) -> String {
     let bounds = |(lo, hi): Bounds| {
@@ -132,7 +139,9 @@ pub unsafe fn run(
         dest,
         owner: std::ptr::null_mut(),
     };
-    let running = Running::start();
+    // a claim's body runs the others inside it: counted, it would keep any plan from ever
+    // being freed in a session that only claims (and it is never freed itself)
+    let running = (!statement.is_body()).then(Running::start);
     let rc = pg_sys::SPI_execute_plan_extended(plan, &options);
     drop(running);
     if rc < 0 {
@@ -140,8 +149,8 @@ pub unsafe fn run(
     }
 }
 
-/// Statements of ours executing in this backend: while one is (a nested call, were there
-/// one), no kept plan is freed, for it may be that statement's.
+/// Statements of ours other than claims' bodies executing in this backend: while one is (a
+/// nested call, were there one), no kept plan is freed, for it may be that statement's.
 struct Running;
 
 impl Running {
@@ -157,8 +166,8 @@ impl Drop for Running {
     }
 }
 
-/// Prepares and keeps a statement; when too many are kept and none is running, the others go
-/// first.
+/// Prepares and keeps a statement; when too many are kept and none is running, the others
+/// but claims' bodies (one of which may be running) go first.
 unsafe fn prepare(statement: Statement, params: &[Param]) -> pg_sys::SPIPlanPtr {
     let text = CString::new(sql(statement)).expect("no NUL in SQL");
     let mut types: Vec<pg_sys::Oid> = params.iter().map(|(t, _)| *t).collect();
@@ -168,11 +177,11 @@ unsafe fn prepare(statement: Statement, params: &[Param]) -> pg_sys::SPIPlanPtr 
     }
     let old: Vec<pg_sys::SPIPlanPtr> = PLANS.with(|plans| {
         let mut plans = plans.borrow_mut();
-        let old = if plans.len() >= MAX_PLANS && RUNNING.with(Cell::get) == 0 {
-            plans.drain().map(|(_, p)| p).collect()
-        } else {
-            Vec::new()
-        };
+        let mut old = Vec::new();
+        if plans.len() >= MAX_PLANS && RUNNING.with(Cell::get) == 0 {
+            let evicted: Vec<Statement> = plans.keys().copied().filter(|s| !s.is_body()).collect();
+            old = evicted.iter().filter_map(|s| plans.remove(s)).collect();
+        }
         plans.insert(statement, plan);
         old
     });
