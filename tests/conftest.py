@@ -15,6 +15,9 @@ from pgcluster import Cluster, install_released_scripts
 from sinks import Tansu, create_sink
 
 MAJORS = os.environ.get("OUTBOX_PG_MAJORS", "15 16 18").split()
+# The servers inherit it: as on a developer's machine, an error pgrx catches and raises again
+# would show a Rust backtrace (tests/test_claim.py checks that claims' errors do not).
+os.environ.setdefault("RUST_BACKTRACE", "1")
 TEMPLATE = "outbox_template"
 DELIVER_DB = "deliver_db"
 SECURITY_DB = "security_db"  # tests/test_security.py plants hostile objects there

@@ -517,3 +517,19 @@ def test_a_page_is_refused_in_a_subtransaction_inside_a_claim(db, consumer):
     emit(db, "k", 3)
     ids = [e.id for e in Relay(db, "sink").claim()]
     assert len(ids) == 3 and len(set(ids)) == 3
+
+
+def test_errors_of_a_claims_body_reach_the_caller_as_raised(db, consumer):
+    """outbox.claim and settle_and_claim are native around PL/pgSQL bodies: an error of the
+    body reaches the caller with its SQLSTATE, message, detail and hint, and no Rust backtrace
+    for detail (the servers run with RUST_BACKTRACE set: see conftest.py)."""
+    for sql in ("SELECT * FROM outbox.claim('missing')",
+                "SELECT * FROM outbox.settle_and_claim('missing', 0, 1)"):
+        with pytest.raises(psycopg.errors.UndefinedObject) as err:
+            db.execute(sql)
+        assert err.value.diag.message_primary == 'consumer "missing" does not exist'
+        assert err.value.diag.message_hint
+        assert err.value.diag.message_detail is None
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState) as err:
+        db.execute("SELECT * FROM outbox.settle_and_claim('sink', 0, 12345)")
+    assert err.value.diag.message_detail.startswith("The shard is at epoch")

@@ -12,6 +12,7 @@
 use super::nullable_arg;
 use super::statements::{connect, finish, run, Param, Statement};
 use pgrx::pg_sys;
+use pgrx::pg_sys::panic::{CaughtError, ErrorReport};
 use pgrx::prelude::*;
 use pgrx::PgTupleDesc;
 use std::cell::Cell;
@@ -90,11 +91,35 @@ unsafe fn run_body(
         result: rows.target(),
         subtransaction: pg_sys::GetCurrentSubTransactionId(),
     });
+    let dest: *mut pg_sys::DestReceiver = (&raw mut rows).cast();
     connect();
-    run(body, &params, false, (&raw mut rows).cast());
+    PgTryBuilder::new(|| run(body, &params, false, dest))
+        .catch_others(raise_as_the_body_did)
+        .execute();
     finish();
     drop(claim);
     pg_sys::Datum::from(0)
+}
+
+/// Raises an error of a claim's body again with its SQLSTATE, message, detail and hint. (Left
+/// to pgrx, an error caught at its FFI boundary gets a Rust backtrace for DETAIL when the
+/// server runs with RUST_BACKTRACE set.) Its CONTEXT lines are not kept: pgrx does not keep them.
+fn raise_as_the_body_did(error: CaughtError) {
+    let CaughtError::PostgresError(raised) = error else {
+        error.rethrow()
+    };
+    let mut report = ErrorReport::new(
+        raised.sql_error_code(),
+        raised.message().to_string(),
+        "outbox_ext claim",
+    );
+    if let Some(detail) = raised.detail() {
+        report = report.set_detail(detail);
+    }
+    if let Some(hint) = raised.hint() {
+        report = report.set_hint(hint);
+    }
+    report.report(PgLogLevel::ERROR);
 }
 
 /// The claim in progress while it lives; the one before (none, unless claims nest) after.
