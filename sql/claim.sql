@@ -547,30 +547,46 @@ BEGIN
 END
 $$;
 
--- Events of a shard in the cursor's window, after its position and up to seq upto, in seq
--- order, at most lim (NULL: all); none made before since (_window_since) or after until
--- (_reach). Both parts walk the (shard, seq, txid) index in order and
--- stop at the limit. What a row is checked against is read out of cur once, in a subquery:
--- read from cur for each row, hi_snap alone took about a sixth of a page of 1,000.
--- A SQL function that the planner inlines into the statement calling it:
+-- A window's events in commit order, the bulk of every window: a shard's events after seq
+-- after_seq and up to seq upto that the window's snapshot hi_snap sees committed and the
+-- window's start (lo_top) had not, in seq order, at most lim; none made before since
+-- (_window_since) or after until (_reach). It walks the (shard, seq, txid) index in order and
+-- stops at the limit. A SQL function that the planner inlines into the statement calling it:
 -- rows are read once, not copied through a function's result first. The callers' plans are
 -- generic (see the API's SET clause): a custom plan, costed with the actual bounds, would
--- rather sort a whole backlog. A restored cursor reads only the dump's events, whose txids
--- are the dump's (sql/restore.sql).
+-- rather sort a whole backlog. A page of a cursor with no late range reads only this, with
+-- hi_snap a parameter of its own (src/claim/pruned.rs): every row's check reads it, and a
+-- value read out of a row (a field of a cursor, a subquery's result) is copied for each row.
+CREATE OR REPLACE FUNCTION outbox_internal._window_in_order(shard int, after_seq bigint, upto bigint, lim int,
+                                                           lo_top xid8, hi_snap pg_snapshot,
+                                                           since timestamptz, until timestamptz)
+RETURNS SETOF outbox.events
+    LANGUAGE sql STABLE
+AS $$
+    SELECT e.* FROM outbox.events e
+     WHERE e.shard = _window_in_order.shard
+       AND e.seq > after_seq AND e.seq <= upto
+       AND e.created_at >= since AND e.created_at < until
+       AND e.txid >= lo_top AND e.txid < pg_catalog.pg_snapshot_xmax(hi_snap)
+       AND pg_catalog.pg_visible_in_snapshot(e.txid, hi_snap)
+     ORDER BY e.seq LIMIT lim
+$$;
+
+-- Events of a shard in the cursor's window, after its position and up to seq upto, in seq
+-- order, at most lim (NULL: all): its events in commit order (_window_in_order), and the
+-- late transactions' events of its late range (see _open_window); none made before since or
+-- after until. Inlined like _window_in_order. A restored cursor reads only the dump's events,
+-- whose txids are the dump's (sql/restore.sql).
 CREATE OR REPLACE FUNCTION outbox_internal._window(shard int, cur outbox._cursor_log, upto bigint, lim int,
                                                   since timestamptz, until timestamptz)
 RETURNS SETOF outbox.events
     LANGUAGE sql STABLE
 AS $$
     SELECT w.* FROM (
-        (SELECT e.* FROM outbox.events e
-          WHERE e.shard = _window.shard
-            AND e.seq > greatest(cur.after_seq, cur.lo_seq)
-            AND e.seq <= least(coalesce(upto, 9223372036854775807), cur.restored_seq)
-            AND e.created_at >= since AND e.created_at < until
-            AND e.txid >= cur.lo_top AND e.txid < pg_catalog.pg_snapshot_xmax(cur.hi_snap)
-            AND pg_catalog.pg_visible_in_snapshot(e.txid, (SELECT cur.hi_snap))  -- once, not per row
-          ORDER BY e.seq LIMIT lim)
+        (SELECT * FROM outbox_internal._window_in_order(
+                           shard, greatest(cur.after_seq, cur.lo_seq),
+                           least(coalesce(upto, 9223372036854775807), cur.restored_seq), lim,
+                           cur.lo_top, cur.hi_snap, since, until))
         UNION ALL
         (SELECT e.* FROM outbox.events e
           WHERE cur.late_from IS NOT NULL
@@ -624,7 +640,7 @@ $$;
 CREATE OR REPLACE FUNCTION outbox_internal._claim_page(cur outbox._cursor_log, lim int, owner text, lease interval,
                                                       since timestamptz, until timestamptz)
 RETURNS bigint
-    LANGUAGE c VOLATILE STRICT AS 'MODULE_PATHNAME', 'outbox_claim_page';
+    LANGUAGE c VOLATILE STRICT AS 'MODULE_PATHNAME', 'outbox_claim_page_0_18';
 -- _window's events of the cursor's window (in seq order, up to upto, at most lim; NULLs: no
 -- bound), for the parked path and settle. A scan of a function's result keeps the order the
 -- function made its rows in, so ARRAY(SELECT ... FROM it) needs no ORDER BY.

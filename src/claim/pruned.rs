@@ -14,7 +14,7 @@
 //! (`_window`, `_shards_with_events`, `_late_seqs`), defined once in sql/claim.sql.
 
 use super::result::RowReceiver;
-use super::statements::{column, connect, finish, run, Bounds, Statement};
+use super::statements::{column, connect, finish, run, Bounds, Param, Statement};
 use super::{arg, arg_type, nullable_arg};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -25,6 +25,7 @@ const POSTGRES_EPOCH_SECONDS: i64 = 946_684_800;
 
 v1!(
     pg_finfo_outbox_claim_page,
+    pg_finfo_outbox_claim_page_0_18,
     pg_finfo_outbox_window_events,
     pg_finfo_outbox_any_events,
     pg_finfo_outbox_late_range
@@ -46,6 +47,42 @@ unsafe fn cursor_field(cursor: pg_sys::HeapTupleHeader, name: &CStr) -> pg_sys::
     value
 }
 
+/// A field of a flat cursor, None when NULL.
+unsafe fn nullable_cursor_field(
+    cursor: pg_sys::HeapTupleHeader,
+    name: &CStr,
+) -> Option<pg_sys::Datum> {
+    let mut null = false;
+    let value = pg_sys::GetAttributeByName(cursor, name.as_ptr(), &mut null);
+    (!null).then_some(value)
+}
+
+/// The parameters of Statement::InOrderPage: shard, epoch, and what `_window` passes to
+/// `_window_in_order` for a page (after its position, up to a restored cursor's last seq, at
+/// most lim). hi_snap is passed unpacked: a short (1-byte header) value, as stored in a row,
+/// would be copied again by every row's visibility check.
+unsafe fn in_order_page_params(
+    cursor: pg_sys::HeapTupleHeader,
+    shard: pg_sys::Datum,
+    epoch: pg_sys::Datum,
+    lim: pg_sys::Datum,
+) -> [Param; 7] {
+    let seq = |name: &CStr| nullable_cursor_field(cursor, name).map(|d| d.value() as i64);
+    let lo_seq = cursor_field(cursor, c"lo_seq").value() as i64;
+    let after = seq(c"after_seq").map_or(lo_seq, |after_seq| after_seq.max(lo_seq));
+    let upto = seq(c"restored_seq").unwrap_or(i64::MAX);
+    let hi_snap = pg_sys::pg_detoast_datum(cursor_field(cursor, c"hi_snap").cast_mut_ptr());
+    [
+        (pg_sys::INT4OID, Some(shard)),
+        (pg_sys::INT8OID, Some(epoch)),
+        (pg_sys::INT8OID, Some(pg_sys::Datum::from(after))),
+        (pg_sys::INT8OID, Some(pg_sys::Datum::from(upto))),
+        (pg_sys::INT4OID, Some(lim)),
+        (pg_sys::XID8OID, Some(cursor_field(cursor, c"lo_top"))),
+        (pg_sys::PG_SNAPSHOTOID, Some(pg_sys::Datum::from(hi_snap))),
+    ]
+}
+
 /// The bounds around [since, until), arguments i and i + 1 of a call.
 unsafe fn bounds_of(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> Bounds {
     window_bounds(
@@ -54,15 +91,31 @@ unsafe fn bounds_of(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> Bounds {
     )
 }
 
-/// `_claim_page(cur, lim, owner, lease, since, until) RETURNS bigint`: hands out at most lim
-/// events of the cursor's window after its position, in seq order, as claimed rows of epoch
-/// cur.epoch + 1, into the result of the claim in progress (result.rs), and, when there are
-/// any, writes the claim row leasing them to owner. Returns how many it handed out.
+/// `_claim_page(cur, lim, owner, lease, since, until) RETURNS bigint` of 0.16.0's and 0.17.0's
+/// SQL, which have no `_window_in_order`: every page is read through `_window`.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_claim_page(
     fcinfo: pg_sys::FunctionCallInfo,
 ) -> pg_sys::Datum {
+    claim_page(fcinfo, false)
+}
+
+/// `_claim_page(cur, lim, owner, lease, since, until) RETURNS bigint` (sql/claim.sql): hands out
+/// at most lim events of the cursor's window after its position, in seq order, as claimed rows
+/// of epoch cur.epoch + 1, into the result of the claim in progress (result.rs), and, when
+/// there are any, writes the claim row leasing them to owner. Returns how many it handed out.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn outbox_claim_page_0_18(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    claim_page(fcinfo, true)
+}
+
+/// A claim's page; in_order_alone: when the cursor has no late range, read only its events in
+/// commit order (`_window_in_order`), with the cursor's fields as values.
+unsafe fn claim_page(fcinfo: pg_sys::FunctionCallInfo, in_order_alone: bool) -> pg_sys::Datum {
     let cursor_type = arg_type(fcinfo, 0);
     let bounds = bounds_of(fcinfo, 4);
     // 0.16.0's SQL declares it SETOF and returns the page itself: so it runs on this library
@@ -76,18 +129,30 @@ pub unsafe extern "C-unwind" fn outbox_claim_page(
     let cursor = flat_cursor(arg(fcinfo, 0));
     let shard = cursor_field(cursor, c"shard");
     let epoch = pg_sys::Datum::from(cursor_field(cursor, c"epoch").value() as i64 + 1);
+    let in_order = in_order_alone
+        && nullable_cursor_field(cursor, c"late_from").is_none()
+        && nullable_cursor_field(cursor, c"hi_snap").is_some();
     connect();
-    run(
-        Statement::Page(bounds, cursor_type),
-        &[
-            (cursor_type, Some(arg(fcinfo, 0))),
-            (pg_sys::INT4OID, Some(arg(fcinfo, 1))),
-            (pg_sys::INT4OID, Some(shard)),
-            (pg_sys::INT8OID, Some(epoch)),
-        ],
-        false,
-        (&raw mut page).cast(),
-    );
+    if in_order {
+        run(
+            Statement::InOrderPage(bounds),
+            &in_order_page_params(cursor, shard, epoch, arg(fcinfo, 1)),
+            false,
+            (&raw mut page).cast(),
+        );
+    } else {
+        run(
+            Statement::Page(bounds, cursor_type),
+            &[
+                (cursor_type, Some(arg(fcinfo, 0))),
+                (pg_sys::INT4OID, Some(arg(fcinfo, 1))),
+                (pg_sys::INT4OID, Some(shard)),
+                (pg_sys::INT8OID, Some(epoch)),
+            ],
+            false,
+            (&raw mut page).cast(),
+        );
+    }
     if page.count > 0 {
         let exhausted = page.count < i64::from(arg(fcinfo, 1).value() as i32);
         run(

@@ -21,6 +21,8 @@ pub type Param = (pg_sys::Oid, Option<pg_sys::Datum>);
 pub enum Statement {
     /// a claim's page, with outbox._cursor_log's type
     Page(Bounds, pg_sys::Oid),
+    /// a claim's page of a cursor with no late range: its events in commit order alone
+    InOrderPage(Bounds),
     /// the claim row of a page
     Claimed(pg_sys::Oid),
     /// events of a window, with outbox._cursor_log's type
@@ -56,6 +58,12 @@ fn sql(statement: Statement) -> String {
             "SELECT $3, $4, w.id, w.topic, w.aggregate_type, w.aggregate_id, w.event_type, \
                     w.payload, w.headers, w.created_at, w.seq, 1 \
                FROM outbox_internal._window($3, $1, NULL, $2, {}) AS w",
+            bounds(b)
+        ),
+        Statement::InOrderPage(b) => format!(
+            "SELECT $1, $2, w.id, w.topic, w.aggregate_type, w.aggregate_id, w.event_type, \
+                    w.payload, w.headers, w.created_at, w.seq, 1 \
+               FROM outbox_internal._window_in_order($1, $3, $4, $5, $6, $7, {}) AS w",
             bounds(b)
         ),
         Statement::Claimed(_) => "SELECT outbox_internal._append(\

@@ -1,0 +1,58 @@
+-- outbox_ext 0.17.0 -> 0.18.0
+--
+-- Why: a claim's page, the bulk of a claim of 1,000, read its events through _window, whose
+-- every row's visibility check copied the window's snapshot out of a row again (a value taken
+-- from a row, as a field or a subquery's result, is stored short and unpacked at each use),
+-- and whose late part wrapped the page in one more ordered merge even when the cursor had no
+-- late range. _window's commit-order part becomes _window_in_order, which _window calls; a page
+-- of a cursor with no late range reads only that, with the snapshot passed unpacked as a
+-- parameter of its own (src/claim/pruned.rs): about 30% less per page read. _claim_page names
+-- the library's function for this SQL (outbox_claim_page_0_18): 0.17.0's SQL, which has no
+-- _window_in_order, keeps reading every page through _window until ALTER EXTENSION UPDATE.
+--
+-- A delta: what changed from 0.17.0 to 0.18.0, rerunnable. Released: never edit it.
+\echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.18.0'" to load this file. \quit
+
+CREATE OR REPLACE FUNCTION outbox_internal._window_in_order(shard int, after_seq bigint, upto bigint, lim int,
+                                                           lo_top xid8, hi_snap pg_snapshot,
+                                                           since timestamptz, until timestamptz)
+RETURNS SETOF outbox.events
+    LANGUAGE sql STABLE
+AS $$
+    SELECT e.* FROM outbox.events e
+     WHERE e.shard = _window_in_order.shard
+       AND e.seq > after_seq AND e.seq <= upto
+       AND e.created_at >= since AND e.created_at < until
+       AND e.txid >= lo_top AND e.txid < pg_catalog.pg_snapshot_xmax(hi_snap)
+       AND pg_catalog.pg_visible_in_snapshot(e.txid, hi_snap)
+     ORDER BY e.seq LIMIT lim
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_internal._window(shard int, cur outbox._cursor_log, upto bigint, lim int,
+                                                  since timestamptz, until timestamptz)
+RETURNS SETOF outbox.events
+    LANGUAGE sql STABLE
+AS $$
+    SELECT w.* FROM (
+        (SELECT * FROM outbox_internal._window_in_order(
+                           shard, greatest(cur.after_seq, cur.lo_seq),
+                           least(coalesce(upto, 9223372036854775807), cur.restored_seq), lim,
+                           cur.lo_top, cur.hi_snap, since, until))
+        UNION ALL
+        (SELECT e.* FROM outbox.events e
+          WHERE cur.late_from IS NOT NULL
+            AND e.shard = _window.shard
+            AND e.seq >= cur.late_from AND e.seq > coalesce(cur.after_seq, -1)
+            AND e.seq <= least(cur.late_to, coalesce(upto, 9223372036854775807), cur.restored_seq)
+            AND e.created_at >= since AND e.created_at < until
+            AND e.txid = ANY ((SELECT (outbox_internal._late(cur)).txids)::xid8[])  -- once, not per row
+          ORDER BY e.seq LIMIT lim)
+    ) AS w ORDER BY w.seq LIMIT lim
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_internal._claim_page(cur outbox._cursor_log, lim int, owner text, lease interval,
+                                                      since timestamptz, until timestamptz)
+RETURNS bigint
+    LANGUAGE c VOLATILE STRICT AS 'MODULE_PATHNAME', 'outbox_claim_page_0_18';
+
+REVOKE ALL ON FUNCTION outbox_internal._window_in_order(int, bigint, bigint, int, xid8, pg_snapshot, timestamptz, timestamptz) FROM PUBLIC;
