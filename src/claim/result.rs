@@ -19,7 +19,7 @@ use std::cell::Cell;
 
 v1!(pg_finfo_outbox_claim, pg_finfo_outbox_settle_and_claim);
 
-/// Where rows go: a result being built, and its row type.
+/// Where rows go: a result being built, and its row type (which the rows must have).
 #[derive(Clone, Copy)]
 struct Target {
     store: *mut pg_sys::Tuplestorestate,
@@ -88,7 +88,7 @@ unsafe fn run_body(
         .collect();
     let mut rows = RowReceiver::for_result(fcinfo);
     let claim = InProgress::start(Claim {
-        result: rows.target(),
+        result: rows.target,
         subtransaction: pg_sys::GetCurrentSubTransactionId(),
     });
     let dest: *mut pg_sys::DestReceiver = (&raw mut rows).cast();
@@ -142,9 +142,7 @@ impl Drop for InProgress {
 #[repr(C)]
 pub struct RowReceiver {
     base: pg_sys::DestReceiver,
-    store: *mut pg_sys::Tuplestorestate,
-    /// the result's row type, which the statement's rows must have
-    expected: pg_sys::TupleDesc,
+    target: Target,
     /// the seq column (from 1), found by name when the statement starts
     seq_column: i32,
     pub count: i64,
@@ -175,13 +173,6 @@ impl RowReceiver {
         }
     }
 
-    fn target(&self) -> Target {
-        Target {
-            store: self.store,
-            desc: self.expected,
-        }
-    }
-
     fn writing_into(target: Target) -> RowReceiver {
         RowReceiver {
             base: pg_sys::DestReceiver {
@@ -191,8 +182,7 @@ impl RowReceiver {
                 rDestroy: Some(nothing),
                 mydest: pg_sys::CommandDest::DestTuplestore, // not read: SPI runs the callbacks
             },
-            store: target.store,
-            expected: target.desc,
+            target,
             seq_column: 0,
             count: 0,
             last_seq: 0,
@@ -210,7 +200,7 @@ unsafe extern "C-unwind" fn startup(
 ) {
     let me = dest as *mut RowReceiver;
     let rows = PgTupleDesc::from_pg_unchecked(rows);
-    let expected = PgTupleDesc::from_pg_unchecked((*me).expected);
+    let expected = PgTupleDesc::from_pg_unchecked((*me).target.desc);
     let same = rows.len() == expected.len()
         && rows
             .iter()
@@ -237,7 +227,7 @@ unsafe extern "C-unwind" fn receive_slot(
     }
     (*me).last_seq = (*(*slot).tts_values.add(column as usize - 1)).value() as i64;
     (*me).count += 1;
-    pg_sys::tuplestore_puttupleslot((*me).store, slot);
+    pg_sys::tuplestore_puttupleslot((*me).target.store, slot);
     true
 }
 
