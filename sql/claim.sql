@@ -839,7 +839,6 @@ DECLARE
     curs   outbox._cursor_log[];
     newest outbox._seals;
     since  timestamptz;
-    until  timestamptz := outbox_internal._reach();
 BEGIN
     -- first one shard, at random: in a backlog most have a window open (a claim opened it and
     -- has not read it to its end), and one cursor is cheaper to read than all
@@ -862,7 +861,7 @@ BEGIN
         OR outbox_internal._any_events(ARRAY(SELECT c.shard FROM unnest(curs) c ORDER BY c.shard),
                                        ARRAY(SELECT outbox_internal._pending_floor(c) FROM unnest(curs) c
                                               ORDER BY c.shard),
-                                       since, until);
+                                       since, outbox_internal._reach());
 END
 $$;
 

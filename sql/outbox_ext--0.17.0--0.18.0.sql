@@ -9,6 +9,7 @@
 -- parameter of its own (src/claim/pruned.rs): about 30% less per page read. _claim_page names
 -- the library's function for this SQL (outbox_claim_page_0_18): 0.17.0's SQL, which has no
 -- _window_in_order, keeps reading every page through _window until ALTER EXTENSION UPDATE.
+-- _may_have_work reads the reach only where it needs it, not on its way out with a window open.
 --
 -- A delta: what changed from 0.17.0 to 0.18.0, rerunnable. Released: never edit it.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.18.0'" to load this file. \quit
@@ -54,5 +55,39 @@ CREATE OR REPLACE FUNCTION outbox_internal._claim_page(cur outbox._cursor_log, l
                                                       since timestamptz, until timestamptz)
 RETURNS bigint
     LANGUAGE c VOLATILE STRICT AS 'MODULE_PATHNAME', 'outbox_claim_page_0_18';
+
+CREATE OR REPLACE FUNCTION outbox_internal._may_have_work(consumer_id int) RETURNS boolean
+    LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    one    outbox._cursor_log := outbox_internal._cursor(consumer_id, floor(random() * outbox.shard_count())::int);
+    curs   outbox._cursor_log[];
+    newest outbox._seals;
+    since  timestamptz;
+BEGIN
+    -- first one shard, at random: in a backlog most have a window open (a claim opened it and
+    -- has not read it to its end), and one cursor is cheaper to read than all
+    IF one.hi_snap IS NOT NULL OR one.restored_seq IS NOT NULL THEN
+        RETURN true;
+    END IF;
+    curs := ARRAY(SELECT cur.l FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
+                   CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
+                                        WHERE l.consumer_id = _may_have_work.consumer_id AND l.shard = s.shard
+                                        ORDER BY l.pos DESC LIMIT 1) AS cur);
+    newest := outbox_internal._newest_seal();
+    IF EXISTS (SELECT FROM unnest(curs) c
+                WHERE c.hi_snap IS NOT NULL OR c.restored_seq IS NOT NULL
+                   OR outbox_internal._behind_a_seal(c, newest)) THEN
+        RETURN true;
+    END IF;
+    -- one value for every shard (the lowest floor's): partitions pruned before they are opened
+    since := outbox_internal._since((SELECT min(outbox_internal._pending_floor(c)) FROM unnest(curs) c), newest);
+    RETURN EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = _may_have_work.consumer_id)
+        OR outbox_internal._any_events(ARRAY(SELECT c.shard FROM unnest(curs) c ORDER BY c.shard),
+                                       ARRAY(SELECT outbox_internal._pending_floor(c) FROM unnest(curs) c
+                                              ORDER BY c.shard),
+                                       since, outbox_internal._reach());
+END
+$$;
 
 REVOKE ALL ON FUNCTION outbox_internal._window_in_order(int, bigint, bigint, int, xid8, pg_snapshot, timestamptz, timestamptz) FROM PUBLIC;
