@@ -1,14 +1,12 @@
 -- outbox_ext 0.17.0 -> 0.18.0
 --
 -- Why: a claim's page, the bulk of a claim of 1,000, read its events through _window, whose
--- every row's visibility check copied the window's snapshot out of a row again (a value taken
--- from a row, as a field or a subquery's result, is stored short and unpacked at each use),
--- and whose late part wrapped the page in one more ordered merge even when the cursor had no
--- late range. _window's commit-order part becomes _window_in_order, which _window calls; a page
--- of a cursor with no late range reads only that, with the snapshot passed unpacked as a
--- parameter of its own (src/claim/pruned.rs): about 30% less per page read. _claim_page names
--- the library's function for this SQL (outbox_claim_page_0_18): 0.17.0's SQL, which has no
--- _window_in_order, keeps reading every page through _window until ALTER EXTENSION UPDATE.
+-- late part wrapped the page in one more ordered merge and limit even when the cursor had no
+-- late range. _window's commit-order part becomes _window_in_order, which _window calls; a
+-- page of a cursor with no late range reads only that, with the cursor's fields as parameters
+-- of their own (src/claim/pruned.rs): about 20% less per page read. _claim_page names the library's function for this SQL
+-- (outbox_claim_page_0_18): 0.17.0's SQL, which has no _window_in_order, keeps reading every
+-- page through _window until ALTER EXTENSION UPDATE.
 -- _may_have_work reads the reach only where it needs it, not on its way out with a window open.
 --
 -- A delta: what changed from 0.17.0 to 0.18.0, rerunnable. Released: never edit it.
@@ -25,7 +23,7 @@ AS $$
        AND e.seq > after_seq AND e.seq <= upto
        AND e.created_at >= since AND e.created_at < until
        AND e.txid >= lo_top AND e.txid < pg_catalog.pg_snapshot_xmax(hi_snap)
-       AND pg_catalog.pg_visible_in_snapshot(e.txid, hi_snap)
+       AND pg_catalog.pg_visible_in_snapshot(e.txid, (SELECT hi_snap))  -- once, not per row
      ORDER BY e.seq LIMIT lim
 $$;
 

@@ -11,7 +11,8 @@
 //! for the session per pair of bounds, hold only what they read. A partition made, attached or
 //! dropped invalidates the plans, which PostgreSQL then makes again. The bounds only widen
 //! [since, until), which the SQL functions called use only to prune: the rows are theirs
-//! (`_window`, `_shards_with_events`, `_late_seqs`), defined once in sql/claim.sql.
+//! (`_window` and the `_window_in_order` it calls, `_shards_with_events`, `_late_seqs`),
+//! defined once in sql/claim.sql.
 
 use super::result::RowReceiver;
 use super::statements::{column, connect, finish, run, Bounds, Param, Statement};
@@ -59,8 +60,7 @@ unsafe fn nullable_cursor_field(
 
 /// The parameters of Statement::InOrderPage: shard, epoch, and what `_window` passes to
 /// `_window_in_order` for a page (after its position, up to a restored cursor's last seq, at
-/// most lim). hi_snap is passed unpacked: a short (1-byte header) value, as stored in a row,
-/// would be copied again by every row's visibility check.
+/// most lim).
 unsafe fn in_order_page_params(
     cursor: pg_sys::HeapTupleHeader,
     shard: pg_sys::Datum,
@@ -71,7 +71,7 @@ unsafe fn in_order_page_params(
     let lo_seq = cursor_field(cursor, c"lo_seq").value() as i64;
     let after = seq(c"after_seq").map_or(lo_seq, |after_seq| after_seq.max(lo_seq));
     let upto = seq(c"restored_seq").unwrap_or(i64::MAX);
-    let hi_snap = pg_sys::pg_detoast_datum(cursor_field(cursor, c"hi_snap").cast_mut_ptr());
+    let hi_snap = cursor_field(cursor, c"hi_snap");
     [
         (pg_sys::INT4OID, Some(shard)),
         (pg_sys::INT8OID, Some(epoch)),
@@ -79,7 +79,7 @@ unsafe fn in_order_page_params(
         (pg_sys::INT8OID, Some(pg_sys::Datum::from(upto))),
         (pg_sys::INT4OID, Some(lim)),
         (pg_sys::XID8OID, Some(cursor_field(cursor, c"lo_top"))),
-        (pg_sys::PG_SNAPSHOTOID, Some(pg_sys::Datum::from(hi_snap))),
+        (pg_sys::PG_SNAPSHOTOID, Some(hi_snap)),
     ]
 }
 
@@ -91,8 +91,8 @@ unsafe fn bounds_of(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> Bounds {
     )
 }
 
-/// `_claim_page(cur, lim, owner, lease, since, until) RETURNS bigint` of 0.16.0's and 0.17.0's
-/// SQL, which have no `_window_in_order`: every page is read through `_window`.
+/// `_claim_page` of 0.16.0's SQL (`RETURNS SETOF outbox.claimed`) and 0.17.0's (`RETURNS
+/// bigint`), which have no `_window_in_order`: every page is read through `_window`.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_claim_page(
