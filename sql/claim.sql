@@ -64,7 +64,7 @@ CREATE TABLE IF NOT EXISTS outbox._shards (
 
 -- The cursor of each (consumer, shard) as an append-only log; the newest row is the state.
 CREATE TABLE IF NOT EXISTS outbox._cursor_log (
-    consumer_id int         NOT NULL REFERENCES outbox.consumers ON DELETE CASCADE,
+    consumer_id int         NOT NULL,
     shard       int         NOT NULL,
     pos         bigint      GENERATED ALWAYS AS IDENTITY,
     epoch       bigint      NOT NULL,  -- lease generation: +1 on every claim
@@ -88,13 +88,18 @@ CREATE TABLE IF NOT EXISTS outbox._cursor_log (
     heads       uuid[],                -- claim rows: parked head events handed out
     at          timestamptz NOT NULL DEFAULT now(),
     restored_seq bigint,               -- restored from a dump (sql/restore.sql): events up to
-    restored_top xid8                  -- this seq are the dump's, their txids below this top
+    restored_top xid8,                 -- this seq are the dump's, their txids below this top
+    -- The shard's row, not the consumer's: every writer holds the shard's row locked already,
+    -- so the key check locks nothing more. On the consumer's row every claim and settle of
+    -- every relay took a share lock: a WAL record each, and a multixact whenever two relays
+    -- overlapped (multixact ids run out too: anti-wraparound vacuums of every table).
+    FOREIGN KEY (consumer_id, shard) REFERENCES outbox._shards ON DELETE CASCADE
 );
 CREATE INDEX IF NOT EXISTS _cursor_log_consumer_id_shard_pos_idx
     ON outbox._cursor_log (consumer_id, shard, pos DESC);
 
 CREATE TABLE IF NOT EXISTS outbox._parked (
-    consumer_id     int         NOT NULL REFERENCES outbox.consumers ON DELETE CASCADE,
+    consumer_id     int         NOT NULL,
     aggregate_id    text        NOT NULL,
     shard           int         NOT NULL,
     attempts        int         NOT NULL DEFAULT 0,  -- failed attempts of the current head
@@ -102,7 +107,8 @@ CREATE TABLE IF NOT EXISTS outbox._parked (
     last_error      text,
     nacked_epoch    bigint,                          -- the batch that last failed the head
     parked_at       timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (consumer_id, aggregate_id)
+    PRIMARY KEY (consumer_id, aggregate_id),
+    FOREIGN KEY (consumer_id, shard) REFERENCES outbox._shards ON DELETE CASCADE  -- see _cursor_log
 );
 CREATE INDEX IF NOT EXISTS _parked_consumer_id_shard_next_attempt_at_idx
     ON outbox._parked (consumer_id, shard, next_attempt_at);
@@ -1374,9 +1380,9 @@ CREATE OR REPLACE FUNCTION outbox.drop_consumer(name text) RETURNS boolean
 AS $$
 BEGIN
     PERFORM outbox_internal._not_null(name IS NULL, 'name', 'outbox.drop_consumer');
-    -- Its shards first, in order, as claims and acks take them before they write a cursor row
-    -- (whose key check waits for the consumer row): deleting the consumer first would deadlock
-    -- with an ack under way.
+    -- Its shards first, in order, as claims and acks take them before they write a cursor row:
+    -- the drop waits for a claim or an ack under way, then deletes (through the consumer's
+    -- cascade) shards no one holds.
     PERFORM FROM outbox._shards s JOIN outbox.consumers c ON c.id = s.consumer_id
      WHERE c.name = drop_consumer.name ORDER BY s.shard FOR UPDATE OF s;
     DELETE FROM outbox.dead_letters d WHERE d.consumer = drop_consumer.name;

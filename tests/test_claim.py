@@ -441,6 +441,31 @@ def test_a_claim_with_nothing_to_read_locks_nothing_and_writes_nothing(db, conne
     assert len(connect().execute("SELECT * FROM outbox.claim('sink')").fetchall()) == 1
 
 
+def test_relays_write_without_locking_the_consumers_row(db, connect, consumer):
+    """Two relays' claims (open at once), settles that park and dead-letter keys, settle_and_claim,
+    release_owner and replay write cursor rows and parked keys under the shard rows they hold:
+    the consumer's row is never locked (its xmax stays), so overlapping relays make no
+    multixact and write no lock record on it."""
+    for i in range(40):
+        emit(db, f"k{i}", 3)
+    xmax = db.execute("SELECT xmax::text FROM outbox.consumers WHERE name = 'sink'").fetchone()[0]
+    one, two = connect(autocommit=False), connect(autocommit=False)
+    a, b = Relay(one, consumer, batch_size=5, owner="a"), Relay(two, consumer, batch_size=5, owner="b")
+    first, second = a.claim(), b.claim()  # both transactions open: each has written its claim row
+    assert first and second and first[0].shard != second[0].shard
+    one.commit(), two.commit()
+    a.settle(first[0].shard, first[0].epoch, [Relay.failure(first[0], "503", "0")])
+    b.settle(second[0].shard, second[0].epoch, [Relay.failure(second[0], "400", final=True)])
+    one.commit(), two.commit()
+    batch = a.claim()
+    one.commit()
+    a.settle_and_claim(batch[0].shard, batch[0].epoch)
+    one.commit()
+    assert db.execute("SELECT outbox.release_owner('sink', 'a')").fetchone()[0] == 1
+    assert db.execute("SELECT outbox.replay('sink')").fetchone()[0] == 1
+    assert db.execute("SELECT xmax::text FROM outbox.consumers WHERE name = 'sink'").fetchone()[0] == xmax
+
+
 def test_polls_after_a_window_read_to_its_end_write_nothing(db, consumer):
     """A batch that fills its limit leaves its window open; the claim that then finds nothing
     more in it records the empty window, once, so the polls after it are idle ones (no xid)
