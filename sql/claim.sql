@@ -88,12 +88,14 @@ CREATE TABLE IF NOT EXISTS outbox._cursor_log (
     heads       uuid[],                -- claim rows: parked head events handed out
     at          timestamptz NOT NULL DEFAULT now(),
     restored_seq bigint,               -- restored from a dump (sql/restore.sql): events up to
-    restored_top xid8,                 -- this seq are the dump's, their txids below this top
-    -- The shard's row, not the consumer's: every writer holds the shard's row locked already,
-    -- so the key check locks nothing more. On the consumer's row every claim and settle of
-    -- every relay took a share lock: a WAL record each, and a multixact whenever two relays
-    -- overlapped (multixact ids run out too: anti-wraparound vacuums of every table).
-    FOREIGN KEY (consumer_id, shard) REFERENCES outbox._shards ON DELETE CASCADE
+    restored_top xid8                  -- this seq are the dump's, their txids below this top
+    -- No foreign key, here or on _parked: only a relay holding the shard's row writes these
+    -- rows, and outbox.drop_consumer, the one place a consumer's shards go, deletes them. A
+    -- key check share-locks the row it finds. On the consumer's row (up to 0.18.0) that was a
+    -- WAL record for every claim and settle, and a multixact whenever two relays overlapped
+    -- (multixact ids run out too: anti-wraparound vacuums of every table); on the shard's row
+    -- (0.19.0) it made a dump of 0.18.0 fail to restore, its tables loaded in an order chosen
+    -- without that key.
 );
 CREATE INDEX IF NOT EXISTS _cursor_log_consumer_id_shard_pos_idx
     ON outbox._cursor_log (consumer_id, shard, pos DESC);
@@ -107,8 +109,7 @@ CREATE TABLE IF NOT EXISTS outbox._parked (
     last_error      text,
     nacked_epoch    bigint,                          -- the batch that last failed the head
     parked_at       timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (consumer_id, aggregate_id),
-    FOREIGN KEY (consumer_id, shard) REFERENCES outbox._shards ON DELETE CASCADE  -- see _cursor_log
+    PRIMARY KEY (consumer_id, aggregate_id)  -- no foreign key: see _cursor_log
 );
 CREATE INDEX IF NOT EXISTS _parked_consumer_id_shard_next_attempt_at_idx
     ON outbox._parked (consumer_id, shard, next_attempt_at);
@@ -1378,15 +1379,17 @@ CREATE OR REPLACE FUNCTION outbox.drop_consumer(name text) RETURNS boolean
     LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
+DECLARE
+    c_id int := (SELECT c.id FROM outbox.consumers c WHERE c.name = drop_consumer.name);
 BEGIN
     PERFORM outbox_internal._not_null(name IS NULL, 'name', 'outbox.drop_consumer');
-    -- Its shards first, in order, as claims and acks take them before they write a cursor row:
-    -- the drop waits for a claim or an ack under way, then deletes (through the consumer's
-    -- cascade) shards no one holds.
-    PERFORM FROM outbox._shards s JOIN outbox.consumers c ON c.id = s.consumer_id
-     WHERE c.name = drop_consumer.name ORDER BY s.shard FOR UPDATE OF s;
+    -- Its shards first, in order, as claims and settles take them before they write a cursor
+    -- row: the drop waits for a claim or a settle under way, then deletes what no one holds.
+    PERFORM FROM outbox._shards s WHERE s.consumer_id = c_id ORDER BY s.shard FOR UPDATE;
+    DELETE FROM outbox._cursor_log l WHERE l.consumer_id = c_id;
+    DELETE FROM outbox._parked p WHERE p.consumer_id = c_id;  -- and their queues (a cascade)
     DELETE FROM outbox.dead_letters d WHERE d.consumer = drop_consumer.name;
-    DELETE FROM outbox.consumers c WHERE c.name = drop_consumer.name;
+    DELETE FROM outbox.consumers c WHERE c.id = c_id;         -- and its shards (a cascade)
     RETURN FOUND;
 END
 $$;

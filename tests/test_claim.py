@@ -466,6 +466,38 @@ def test_relays_write_without_locking_the_consumers_row(db, connect, consumer):
     assert db.execute("SELECT xmax::text FROM outbox.consumers WHERE name = 'sink'").fetchone()[0] == xmax
 
 
+def test_drop_consumer_takes_its_cursors_parked_keys_and_dead_letters_and_no_one_elses(db, consumer):
+    """Cursor rows and parked keys have no foreign key to cascade from (sql/claim.sql says why):
+    drop_consumer deletes them itself, with the queues behind parked keys, and leaves the other
+    consumers' alone."""
+    db.execute("SELECT outbox.create_consumer('other', from_beginning => true)")
+    for key in keys_in_shard(db, 5, 3):  # one batch holds them all
+        emit(db, key, 3)
+    ids = {}
+    for name in (consumer, "other"):
+        ids[name] = db.execute("SELECT id FROM outbox.consumers WHERE name = %s", (name,)).fetchone()[0]
+        relay = Relay(db, name, batch_size=30)
+        batch = relay.claim()
+        keys = sorted({e.aggregate_id for e in batch})
+        first = {k: next(e for e in batch if e.aggregate_id == k) for k in keys[:2]}
+        relay.settle(batch[0].shard, batch[0].epoch, [Relay.failure(first[keys[0]], "503", "1 hour"),
+                                                      Relay.failure(first[keys[1]], "400", final=True)])
+    left = "SELECT (SELECT count(*) FROM {t} WHERE {col} = %s) FROM (VALUES (1)) v"
+    tables = {"outbox._shards": "consumer_id", "outbox._cursor_log": "consumer_id", "outbox._parked": "consumer_id",
+              "outbox._parked_events": "consumer_id", "outbox.dead_letters": "consumer"}
+
+    def rows(name):
+        return {t: db.execute(left.format(t=t, col=col), (name if col == "consumer" else ids[name],)).fetchone()[0]
+                for t, col in tables.items()}
+
+    before = rows("other")
+    assert all(rows(consumer).values()) and all(before.values()), "each consumer has rows in every table"
+    assert db.execute("SELECT outbox.drop_consumer(%s)", (consumer,)).fetchone()[0] is True
+    assert not any(rows(consumer).values()), rows(consumer)
+    assert rows("other") == before
+    assert db.execute("SELECT outbox.drop_consumer(%s)", (consumer,)).fetchone()[0] is False
+
+
 def test_polls_after_a_window_read_to_its_end_write_nothing(db, consumer):
     """A batch that fills its limit leaves its window open; the claim that then finds nothing
     more in it records the empty window, once, so the polls after it are idle ones (no xid)

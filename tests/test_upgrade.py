@@ -10,8 +10,8 @@ import pytest
 
 from relay import Relay
 
-RELEASED = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.11.0", "0.12.0", "0.13.0", "0.14.0", "0.15.0", "0.16.0", "0.17.0", "0.18.0"]   # every version one can upgrade from
-NEW = "0.19.0"
+RELEASED = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.11.0", "0.12.0", "0.13.0", "0.14.0", "0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.0"]   # every version one can upgrade from
+NEW = "0.20.0"
 
 
 @pytest.mark.parametrize("old", RELEASED)
@@ -83,7 +83,8 @@ def upgrade_script_path(db) -> str:
 
 
 def catalog(db) -> list[str]:
-    """Every object of the extension, with its definition, privileges and comment."""
+    """Every object of the extension, with its definition, privileges and comment (a table's
+    with its constraints, indexes and triggers)."""
     rows = db.execute("""
         SELECT pg_describe_object(d.classid, d.objid, 0) || ' | ' ||
                coalesce(CASE d.classid
@@ -96,7 +97,14 @@ def catalog(db) -> list[str]:
                                                                              ' ' || coalesce(a.attacl::text, ''),
                                                                              ', ' ORDER BY a.attnum)
                                                              FROM pg_attribute a LEFT JOIN pg_attrdef ad ON ad.adrelid = a.attrelid AND ad.adnum = a.attnum
-                                                            WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)
+                                                            WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped) ||
+                                                          -- what a table's own definition holds beside its columns
+                                                          coalesce((SELECT string_agg(co.conname || ' ' || pg_get_constraintdef(co.oid), ', ' ORDER BY co.conname)
+                                                                      FROM pg_constraint co WHERE co.conrelid = c.oid), '') ||
+                                                          coalesce((SELECT string_agg(pg_get_indexdef(i.indexrelid), ', ' ORDER BY i.indexrelid::regclass::text)
+                                                                      FROM pg_index i WHERE i.indrelid = c.oid), '') ||
+                                                          coalesce((SELECT string_agg(pg_get_triggerdef(t.oid), ', ' ORDER BY t.tgname)
+                                                                      FROM pg_trigger t WHERE t.tgrelid = c.oid AND NOT t.tgisinternal), '')
                                                      FROM pg_class c WHERE c.oid = d.objid)
                    WHEN 'pg_namespace'::regclass THEN (SELECT coalesce(n.nspacl::text, '') FROM pg_namespace n WHERE n.oid = d.objid)
                END, '') || ' | ' || coalesce(obj_description(d.objid, d.classid::regclass::text), '')
