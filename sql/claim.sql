@@ -89,13 +89,13 @@ CREATE TABLE IF NOT EXISTS outbox._cursor_log (
     at          timestamptz NOT NULL DEFAULT now(),
     restored_seq bigint,               -- restored from a dump (sql/restore.sql): events up to
     restored_top xid8                  -- this seq are the dump's, their txids below this top
-    -- No foreign key, here or on _parked: only a relay holding the shard's row writes these
-    -- rows, and outbox.drop_consumer, the one place a consumer's shards go, deletes them. A
-    -- key check share-locks the row it finds. On the consumer's row (up to 0.18.0) that was a
-    -- WAL record for every claim and settle, and a multixact whenever two relays overlapped
-    -- (multixact ids run out too: anti-wraparound vacuums of every table); on the shard's row
-    -- (0.19.0) it made a dump of 0.18.0 fail to restore, its tables loaded in an order chosen
-    -- without that key.
+    -- No foreign key, here or on _parked: only a transaction holding the shard's row (a relay,
+    -- replay, create_consumer making it, the rebase after a restore) writes these rows, and
+    -- outbox.drop_consumer, the one place a consumer's shards go, deletes them. A key check
+    -- share-locks the row it finds. On the consumer's row (up to 0.18.0) that was a WAL record
+    -- for every claim and settle, and a multixact whenever two relays overlapped (multixact
+    -- ids run out too: anti-wraparound vacuums of every table); on the shard's row (0.19.0) it
+    -- made a dump of 0.18.0 fail to restore, its tables loaded in an order chosen without it.
 );
 CREATE INDEX IF NOT EXISTS _cursor_log_consumer_id_shard_pos_idx
     ON outbox._cursor_log (consumer_id, shard, pos DESC);
@@ -1383,6 +1383,14 @@ DECLARE
     c_id int := (SELECT c.id FROM outbox.consumers c WHERE c.name = drop_consumer.name);
 BEGIN
     PERFORM outbox_internal._not_null(name IS NULL, 'name', 'outbox.drop_consumer');
+    -- The deletes below must see the rows relays commit while the drop waits for their shards:
+    -- with a snapshot taken before, those would be left behind.
+    IF pg_catalog.current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'outbox.drop_consumer must run at READ COMMITTED, not %',
+                pg_catalog.upper(pg_catalog.current_setting('transaction_isolation'))
+            USING ERRCODE = 'invalid_transaction_state',
+                  HINT = 'Call it in a READ COMMITTED transaction (the default isolation level).';
+    END IF;
     -- Its shards first, in order, as claims and settles take them before they write a cursor
     -- row: the drop waits for a claim or a settle under way, then deletes what no one holds.
     PERFORM FROM outbox._shards s WHERE s.consumer_id = c_id ORDER BY s.shard FOR UPDATE;
@@ -1621,6 +1629,11 @@ DECLARE
 BEGIN
     -- Hold every shard of the consumer so no ack unparks a key while we queue into it.
     PERFORM FROM outbox._shards s WHERE s.consumer_id = c.id ORDER BY s.shard FOR UPDATE;
+    IF NOT FOUND THEN  -- dropped while we waited: its name's dead letters may be another's now
+        RAISE EXCEPTION 'consumer "%" does not exist', consumer
+            USING ERRCODE = 'undefined_object',
+                  HINT = 'It was dropped while outbox.replay waited for its shards.';
+    END IF;
     INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
     SELECT DISTINCT c.id, d.aggregate_id, outbox.shard_of(d.aggregate_id), now()
       FROM outbox.dead_letters d

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import keys_in_shard
 from relay import Relay
+from test_maintain import waits_for_a_lock
 
 
 def emit(conn, key: str, n: int = 1, event_type: str = "e", payload: str = "{}") -> None:
@@ -496,6 +497,48 @@ def test_drop_consumer_takes_its_cursors_parked_keys_and_dead_letters_and_no_one
     assert not any(rows(consumer).values()), rows(consumer)
     assert rows("other") == before
     assert db.execute("SELECT outbox.drop_consumer(%s)", (consumer,)).fetchone()[0] is False
+
+
+def test_drop_consumer_refuses_a_snapshot_older_than_its_locks(db, connect, consumer):
+    """At REPEATABLE READ or SERIALIZABLE its deletes would not see the rows relays commit while
+    it waits for their shards, and would leave them behind: refused (25000), nothing dropped."""
+    for level in ("REPEATABLE READ", "SERIALIZABLE"):
+        conn = connect(autocommit=False)
+        conn.execute(f"SET TRANSACTION ISOLATION LEVEL {level}")
+        with pytest.raises(psycopg.errors.InvalidTransactionState, match="READ COMMITTED"):
+            conn.execute("SELECT outbox.drop_consumer(%s)", (consumer,))
+        conn.rollback()
+    assert db.execute("SELECT outbox.drop_consumer(%s)", (consumer,)).fetchone()[0] is True
+
+
+def test_replay_refuses_a_consumer_dropped_while_it_waited(db, connect, consumer):
+    """A replay that found the consumer, then waited for its shards while it was dropped and
+    made again under the same name, would queue the new consumer's dead letters under the old
+    one's id, where no one reads them: refused (42704), and the dead letter stays."""
+    dropper = connect(autocommit=False)
+    dropper.execute("SELECT outbox.drop_consumer(%s)", (consumer,))
+    dropper.execute("SELECT outbox.create_consumer(%s)", (consumer,))
+    dropper.execute("INSERT INTO outbox.dead_letters (consumer, event_id, aggregate_type, aggregate_id,"
+                    " event_type, created_at, seq, attempts) VALUES (%s, outbox.uuid_v7(), 'order', 'k', 'e',"
+                    " now(), 1, 1)", (consumer,))
+    replayer = connect()
+    pid = replayer.execute("SELECT pg_backend_pid()").fetchone()[0]
+    outcome = {}
+
+    def replay():
+        try:
+            outcome["replayed"] = replayer.execute("SELECT outbox.replay(%s)", (consumer,)).fetchone()[0]
+        except psycopg.Error as e:
+            outcome["error"] = e
+
+    waiting = threading.Thread(target=replay)
+    waiting.start()
+    waits_for_a_lock(db, pid)  # on the old consumer's shards, which the drop holds
+    dropper.commit()
+    waiting.join(10)
+    assert isinstance(outcome.get("error"), psycopg.errors.UndefinedObject), outcome
+    assert db.execute("SELECT count(*) FROM outbox.dead_letters").fetchone()[0] == 1
+    assert db.execute("SELECT count(*) FROM outbox._parked").fetchone()[0] == 0
 
 
 def test_polls_after_a_window_read_to_its_end_write_nothing(db, consumer):
