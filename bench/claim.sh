@@ -12,9 +12,13 @@
 #          index and write one small row in each of two transactions, with no window, lock or lease
 # Targets (#14): batch 100, 1 relay >= 0.8x the floor; batch 100, 2 relays >= 1.0x PgQ;
 # batch 1,000, 1 relay >= 1.0x PgQ.
-# Usage: bench/claim.sh [events, default 300000]
+# Every figure is the median of ROUNDS drains (default 3), the rounds interleaved so that each
+# system meets the same moments of a noisy machine (single drains of a second or two here
+# vary by a third from run to run, PgQ's as much as ours).
+# Usage: bench/claim.sh [events, default 300000] [rounds, default 3]
 source "$(dirname "$0")/common.sh"
 EVENTS=${1:-300000}
+ROUNDS=${2:-3}
 WORK=$(mktemp -d)
 start_bench_cluster claim
 
@@ -125,30 +129,42 @@ floor() {
     awk -v n="$EVENTS" -v a="$start" -v b="$end" 'BEGIN{printf "%.0f", n/(b-a)}'
 }
 
+# measure KEY LABEL COMMAND...: runs the command (which prints events/s), logs the figure and
+# adds it to the figures of KEY
 declare -A rate
-for batch in 100 1000; do
-    for clients in 1 2; do
-        fill outbox; rate[outbox_${batch}_$clients]=$(drain outbox outbox "$clients" "$batch")
-        log "outbox_ext claim + settle, batch $batch, $clients relay(s): ${rate[outbox_${batch}_$clients]} events/s"
-        rate[floor_${batch}_$clients]=$(floor "$clients" "$batch")
-        log "floor batch $batch, $clients relay(s): ${rate[floor_${batch}_$clients]} events/s"
-        fill outbox; rate[loop_${batch}_$clients]=$(drain outbox loop "$clients" "$batch")
-        log "outbox_ext settle_and_claim, batch $batch, $clients relay(s): ${rate[loop_${batch}_$clients]} events/s"
-        fill outbox; rate[failing_${batch}_$clients]=$(drain outbox failing "$clients" "$batch")
-        log "outbox_ext claim + settle, 5% failed, batch $batch, $clients relay(s): ${rate[failing_${batch}_$clients]} events/s"
-        fill plain; rate[plain_${batch}_$clients]=$(drain plain plain "$clients" "$batch")
-        log "plain-SQL relay batch $batch, $clients relay(s): ${rate[plain_${batch}_$clients]} events/s"
+measure() {
+    local key=$1 label=$2 value; shift 2
+    value=$("$@")
+    log "$label: $value events/s"
+    rate[$key]="${rate[$key]:-} $value"
+}
+# median KEY -> the median of its figures
+median() { tr ' ' '\n' <<<"${rate[$1]}" | sed '/^$/d' | sort -n | awk '{v[NR]=$1} END{print v[int((NR+1)/2)]}'; }
+
+for round in $(seq "$ROUNDS"); do
+    for batch in 100 1000; do
+        for clients in 1 2; do
+            fill outbox; measure "outbox_${batch}_$clients" "outbox_ext claim + settle, batch $batch, $clients relay(s)" \
+                drain outbox outbox "$clients" "$batch"
+            measure "floor_${batch}_$clients" "floor batch $batch, $clients relay(s)" floor "$clients" "$batch"
+            fill outbox; measure "loop_${batch}_$clients" "outbox_ext settle_and_claim, batch $batch, $clients relay(s)" \
+                drain outbox loop "$clients" "$batch"
+            fill outbox; measure "failing_${batch}_$clients" "outbox_ext claim + settle, 5% failed, batch $batch, $clients relay(s)" \
+                drain outbox failing "$clients" "$batch"
+            fill plain; measure "plain_${batch}_$clients" "plain-SQL relay batch $batch, $clients relay(s)" \
+                drain plain plain "$clients" "$batch"
+        done
+        fill pgq "$batch"; measure "pgq_$batch" "PgQ ticks every $batch" drain pgq pgq 1 "$batch"
     done
-    fill pgq "$batch"; rate[pgq_$batch]=$(drain pgq pgq 1 "$batch")
-    log "PgQ ticks every $batch: ${rate[pgq_$batch]} events/s"
 done
 fill pgq; start=$(now_s)
 sql -c "SELECT count(*) FROM pgq.get_batch_events(pgq.next_batch('bench', 'reader'))" >/dev/null
 rate[pgq_all]=$(awk -v n="$EVENTS" -v a="$start" -v b="$(now_s)" 'BEGIN{printf "%.0f", n/(b-a)}')
 log "PgQ one batch of everything: ${rate[pgq_all]} events/s"
+for key in "${!rate[@]}"; do rate[$key]=$(median "$key"); done
 
 echo
-echo "Drain benchmark: $EVENTS events, PostgreSQL 15, $(nproc) cores, no network"
+echo "Drain benchmark: $EVENTS events, PostgreSQL 15, $(nproc) cores, no network; medians of $ROUNDS rounds"
 echo
 echo "| batch | relays | claim + settle | settle_and_claim | 5% failed | plain-SQL relay | PgQ, same batch | floor | best vs floor | best vs PgQ | best vs plain |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
