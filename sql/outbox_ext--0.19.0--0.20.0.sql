@@ -32,7 +32,7 @@ BEGIN
     PERFORM outbox_internal._not_null(name IS NULL, 'name', 'outbox.drop_consumer');
     -- The deletes below must see the rows relays commit while the drop waits for their shards:
     -- with a snapshot taken before, those would be left behind.
-    IF pg_catalog.current_setting('transaction_isolation') <> 'read committed' THEN
+    IF pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable') THEN
         RAISE EXCEPTION 'outbox.drop_consumer must run at READ COMMITTED, not %',
                 pg_catalog.upper(pg_catalog.current_setting('transaction_isolation'))
             USING ERRCODE = 'invalid_transaction_state',
