@@ -11,8 +11,9 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import psycopg
 from psycopg.rows import dict_row
@@ -31,6 +32,18 @@ class Event:
     seq: int
     attempt: int
     topic: str | None = None
+
+
+def first_deliveries(deliveries: Iterable[tuple[object, str]]) -> dict[str, list]:
+    """deliveries: (event id, key) in delivery order. Per key, the ids of its events in the
+    order each first came, redeliveries left out: per-key order is a property of first
+    deliveries (an event whose lease ran out may come again after later ones)."""
+    seen, first = set(), defaultdict(list)
+    for event_id, key in deliveries:
+        if event_id not in seen:
+            seen.add(event_id)
+            first[key].append(event_id)
+    return dict(first)
 
 
 class Relay:

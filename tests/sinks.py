@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from pgcluster import free_port
+from relay import first_deliveries
 
 
 def create_sink(conn, name: str, kind: str, url: str, **options) -> str:
@@ -220,14 +221,9 @@ def check_delivery(emitted: dict[str, list[str]], received: list[dict], max_dupl
     assert set(got) - want == set(), "phantom events"
     duplicates = len(got) - len(set(got))
     assert duplicates <= max_duplicates, f"{duplicates} duplicates, at most {max_duplicates} allowed"
-    first: dict[str, list[str]] = defaultdict(list)
-    seen = set()
-    for e in received:
-        if e["id"] not in seen:
-            seen.add(e["id"])
-            first[e["aggregate_id"]].append(e["id"])
+    first = first_deliveries((e["id"], e["aggregate_id"]) for e in received)
     for key, ids in emitted.items():
-        assert first[key] == ids, f"key {key} arrived out of order"
+        assert first.get(key, []) == ids, f"key {key} arrived out of order"
 
 
 # --- Kafka: a real broker (Tansu) and the REST front ------------------------------------------

@@ -25,7 +25,7 @@ import pytest
 
 from conftest import MAJORS, TEMPLATE
 from pgcluster import Cluster, as_postgres
-from relay import Relay
+from relay import Relay, first_deliveries
 from sinks import Receiver, check_delivery, create_sink, wait_for
 from test_upgrade import NEW, RELEASED
 
@@ -149,11 +149,8 @@ def check_resumed(conn, state: dict, after: dict[str, list[str]]) -> None:
     missing = set(every) - state["acked"] - {state["dead"]} - set(got)
     assert not missing, f"{len(missing)} events never came"
     assert len(got) - len(set(got)) <= len(state["out"]), "only the batch out at dump time comes twice"
-    order = defaultdict(list)
-    for e in delivered:
-        if str(e.id) not in order[e.aggregate_id]:
-            order[e.aggregate_id].append(str(e.id))
-    for key, ids in order.items():
+    for key, ids in first_deliveries((e.id, e.aggregate_id) for e in delivered).items():
+        ids = [str(i) for i in ids]
         expected = [i for i in state["emitted"].get(key, []) + after.get(key, []) if i in ids]
         assert ids == expected, f"key {key} out of order"
 

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from conftest import keys_in_shard
-from relay import Relay
+from relay import Relay, first_deliveries
 from test_maintain import waits_for_a_lock
 
 
@@ -135,7 +135,7 @@ def test_parallel_claimers_keep_per_key_order_through_failures_and_kills(cluster
     commit order is its seq order. Three claimers on separate connections fail deliveries at
     random and are killed with pg_terminate_backend mid-batch; leases are short."""
     keys = [f"agg-{i}" for i in range(12)]
-    sink: list[tuple] = []            # (key, seq, id) in delivery order
+    sink: list = []                   # events, in delivery order
     sink_lock = threading.Lock()
     killed_batches: list = []
     stop_writing = threading.Event()
@@ -179,7 +179,7 @@ def test_parallel_claimers_keep_per_key_order_through_failures_and_kills(cluster
                         relay.nack(e, "random failure", retry_after="20 milliseconds")
                         continue
                     with sink_lock:
-                        sink.append((e.aggregate_id, e.seq, e.id))
+                        sink.append(e)
                 relay.ack(batch[0].shard, batch[0].epoch)
             except psycopg.Error:
                 conn.close()
@@ -197,23 +197,16 @@ def test_parallel_claimers_keep_per_key_order_through_failures_and_kills(cluster
     time.sleep(0.5)
     rest = Relay(db, consumer)
     for _ in range(50):
-        for e in rest.drain():
-            sink.append((e.aggregate_id, e.seq, e.id))
+        sink.extend(rest.drain())
         time.sleep(0.05)
 
     committed = committed_events(db)
-    assert {r[0] for r in committed} == {s[2] for s in sink}, "nothing lost, nothing phantom"
+    assert {r[0] for r in committed} == {e.id for e in sink}, "nothing lost, nothing phantom"
     expected = defaultdict(list)
     for eid, key, seq in committed:
-        expected[key].append(seq)
-    first_seen = defaultdict(list)
-    seen = set()
-    for key, seq, eid in sink:
-        if eid not in seen:
-            seen.add(eid)
-            first_seen[key].append(seq)
-    assert dict(first_seen) == dict(expected), "per key, first deliveries follow commit order"
-    duplicates = len(sink) - len(seen)
+        expected[key].append(eid)
+    assert first_deliveries((e.id, e.aggregate_id) for e in sink) == dict(expected), "per key, first deliveries follow commit order"
+    duplicates = len(sink) - len(committed)
     assert duplicates == 0 or killed_batches, "duplicates only after a killed relay's lease expired"
     assert db.execute("SELECT count(*) FROM outbox.dead_letters").fetchone()[0] == 0
 
