@@ -1,9 +1,11 @@
--- outbox_ext: DROP EXTENSION outbox_ext does not discard undelivered events silently. An event
--- trigger (native, src/backup.rs) refuses the DROP while a consumer has events pending, parked
--- keys or dead letters, unless outbox_ext.drop_undelivered is on.
+-- outbox_ext: dropping outbox_ext does not discard undelivered events silently. An event
+-- trigger (native, src/backup.rs) refuses a statement that would drop it (DROP EXTENSION, or a
+-- cascade or DROP OWNED that takes it along) while a consumer has events pending, parked keys
+-- or dead letters, unless outbox_ext.drop_undelivered is on.
 --
 -- Name resolution (sql/grants.sql): _undelivered is [pinned]; the trigger function is [native]
--- and runs one statement, SELECT outbox_internal._undelivered().
+-- and runs two statements, SELECT outbox_internal._undelivered() and a lookup of outbox_ext's
+-- owner in pg_catalog.pg_extension, every name and operator qualified.
 --
 -- Rerunnable.
 
@@ -21,11 +23,19 @@ END;
 CREATE OR REPLACE FUNCTION outbox_internal._guard_drop() RETURNS event_trigger
     LANGUAGE c AS 'MODULE_PATHNAME', 'outbox_guard_drop';
 
+-- The statements that may drop outbox_ext: DROP EXTENSION, and DROP LANGUAGE plpgsql CASCADE
+-- and DROP OWNED BY its owner, which take it along (src/backup.rs says which drop it). Enabled
+-- ALWAYS: a session with session_replication_role = replica skips triggers enabled the usual way.
 DO $guard$
 BEGIN
-    IF NOT EXISTS (SELECT FROM pg_catalog.pg_event_trigger WHERE evtname = 'outbox_ext_guard_drop') THEN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_event_trigger t
+                    WHERE t.evtname OPERATOR(pg_catalog.=) 'outbox_ext_guard_drop'
+                      AND t.evttags OPERATOR(pg_catalog.=) ARRAY['DROP EXTENSION', 'DROP LANGUAGE', 'DROP OWNED']) THEN
+        DROP EVENT TRIGGER IF EXISTS outbox_ext_guard_drop;
         CREATE EVENT TRIGGER outbox_ext_guard_drop ON ddl_command_start
-            WHEN TAG IN ('DROP EXTENSION') EXECUTE FUNCTION outbox_internal._guard_drop();
+            WHEN TAG IN ('DROP EXTENSION', 'DROP LANGUAGE', 'DROP OWNED')
+            EXECUTE FUNCTION outbox_internal._guard_drop();
     END IF;
 END
 $guard$;
+ALTER EVENT TRIGGER outbox_ext_guard_drop ENABLE ALWAYS;

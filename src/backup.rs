@@ -3,9 +3,10 @@
 //! - `sql/dump.sql`: what pg_dump writes of the extension's tables, and why.
 //! - `sql/restore.sql`: how a state restored from a dump is recognised and rebased onto the
 //!   transaction ids of the cluster it lands in.
-//! - `sql/drop_guard.sql` and `outbox_guard_drop` here: DROP EXTENSION outbox_ext is refused
-//!   while events are undelivered, keys parked or dead letters kept, unless
-//!   `outbox_ext.drop_undelivered` is on.
+//! - `sql/drop_guard.sql` and `outbox_guard_drop` here: a statement that would drop outbox_ext
+//!   (DROP EXTENSION, or a cascade or DROP OWNED that takes it along) is refused while events
+//!   are undelivered, keys parked or dead letters kept, unless `outbox_ext.drop_undelivered` is
+//!   on.
 
 use crate::gucs;
 use pgrx::pg_sys::panic::ErrorReport;
@@ -34,9 +35,9 @@ pub extern "C" fn pg_finfo_outbox_guard_drop() -> &'static pg_sys::Pg_finfo_reco
     &V1
 }
 
-/// The event trigger on DROP EXTENSION (ddl_command_start, while our tables still exist): when
-/// the statement drops outbox_ext and something would be lost, raise 2BP01 with what and how
-/// to proceed.
+/// The event trigger on DROP EXTENSION, DROP LANGUAGE and DROP OWNED (ddl_command_start, while
+/// our tables still exist): when the statement may drop outbox_ext and something would be lost,
+/// raise 2BP01 with what and how to proceed.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_guard_drop(
@@ -69,20 +70,57 @@ pub unsafe extern "C-unwind" fn outbox_guard_drop(
     pg_sys::Datum::from(0)
 }
 
-/// True if the statement is DROP EXTENSION naming outbox_ext.
+/// True if the statement may drop outbox_ext: DROP EXTENSION naming it; DROP EXTENSION or DROP
+/// LANGUAGE naming plpgsql with CASCADE (outbox_ext's functions are written in PL/pgSQL, and a
+/// cascade that reaches an extension's member takes the whole extension); DROP OWNED BY the
+/// role that owns it. (DROP SCHEMA of its schemas PostgreSQL refuses by itself.)
 unsafe fn drops_outbox_ext(tree: *mut pg_sys::Node) -> bool {
-    if tree.is_null() || (*tree).type_ != pg_sys::NodeTag::T_DropStmt {
+    if tree.is_null() {
         return false;
     }
-    let stmt = tree as *mut pg_sys::DropStmt;
-    if (*stmt).removeType != pg_sys::ObjectType::OBJECT_EXTENSION {
-        return false;
+    match (*tree).type_ {
+        pg_sys::NodeTag::T_DropStmt => {
+            use pg_sys::ObjectType::{OBJECT_EXTENSION, OBJECT_LANGUAGE};
+            let stmt = tree as *mut pg_sys::DropStmt;
+            let cascade = (*stmt).behavior == pg_sys::DropBehavior::DROP_CASCADE;
+            match (*stmt).removeType {
+                OBJECT_EXTENSION => {
+                    names(stmt, b"outbox_ext") || (cascade && names(stmt, b"plpgsql"))
+                }
+                OBJECT_LANGUAGE => cascade && names(stmt, b"plpgsql"),
+                _ => false,
+            }
+        }
+        pg_sys::NodeTag::T_DropOwnedStmt => {
+            let roles = pgrx::PgList::<pg_sys::RoleSpec>::from_pg(
+                (*(tree as *mut pg_sys::DropOwnedStmt)).roles,
+            );
+            let owner = outbox_ext_owner();
+            let owns = roles
+                .iter_ptr()
+                .any(|role| Some(pg_sys::get_rolespec_oid(role, true)) == owner);
+            owns
+        }
+        _ => false,
     }
-    let names = pgrx::PgList::<pg_sys::Node>::from_pg((*stmt).objects);
-    let named = names.iter_ptr().any(|name| {
-        (*name).type_ == pg_sys::NodeTag::T_String
-            && std::ffi::CStr::from_ptr((*(name as *mut pg_sys::String)).sval).to_bytes()
-                == b"outbox_ext"
+}
+
+/// Whether a DROP statement names the object `name`.
+unsafe fn names(stmt: *mut pg_sys::DropStmt, name: &[u8]) -> bool {
+    let objects = pgrx::PgList::<pg_sys::Node>::from_pg((*stmt).objects);
+    let named = objects.iter_ptr().any(|object| {
+        (*object).type_ == pg_sys::NodeTag::T_String
+            && std::ffi::CStr::from_ptr((*(object as *mut pg_sys::String)).sval).to_bytes() == name
     });
     named
+}
+
+/// The role that owns outbox_ext (None if it is not installed).
+fn outbox_ext_owner() -> Option<pg_sys::Oid> {
+    Spi::get_one::<pg_sys::Oid>(
+        "SELECT e.extowner FROM pg_catalog.pg_extension e \
+          WHERE e.extname OPERATOR(pg_catalog.=) 'outbox_ext'",
+    )
+    .ok()
+    .flatten()
 }

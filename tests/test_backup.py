@@ -413,6 +413,53 @@ def test_drop_extension_with_a_parked_key_or_dead_letter_is_refused(db, what):
     assert ("1 parked keys" if what == "parked key" else "1 dead letters") in e.value.diag.message_detail
 
 
+
+@pytest.mark.parametrize("drop", ["DROP EXTENSION plpgsql CASCADE", "DROP LANGUAGE plpgsql CASCADE",
+                                  "SET session_replication_role = replica; DROP EXTENSION outbox_ext"])
+def test_a_drop_that_takes_outbox_ext_along_is_refused_too(db, drop):
+    """A cascade from the language its functions are written in, or a session that skips
+    triggers enabled the usual way, is refused while events are pending, as DROP EXTENSION is."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    db.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
+    with pytest.raises(psycopg.errors.DependentObjectsStillExist) as e:
+        db.execute(drop)
+    assert "c: 1 pending" in e.value.diag.message_detail
+    assert db.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 1
+    # other cascades are not held up
+    db.execute("RESET session_replication_role")
+    db.execute("DROP EXTENSION IF EXISTS pg_trgm CASCADE")
+    db.execute("DROP LANGUAGE IF EXISTS plperl CASCADE")
+
+
+def test_drop_owned_by_outbox_exts_owner_is_refused(cluster, new_database):
+    """DROP OWNED BY the role that created outbox_ext drops it: refused while events are
+    pending; DROP OWNED BY anyone else is not held up."""
+    name = new_database()
+    owner = f"{name}_owner"
+    with cluster.connect(name) as db:
+        db.execute(f"CREATE ROLE {owner} SUPERUSER")
+        try:
+            db.execute(f"SET ROLE {owner}")
+            db.execute("CREATE EXTENSION outbox_ext")
+            db.execute("SELECT outbox.create_consumer('c')")
+            db.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
+            db.execute("RESET ROLE")
+            db.execute(f"CREATE ROLE {name}_other")
+            db.execute(f"DROP OWNED BY {name}_other")   # not outbox_ext's owner: not held up
+            db.execute(f"DROP ROLE {name}_other")
+            with pytest.raises(psycopg.errors.DependentObjectsStillExist):
+                db.execute(f"DROP OWNED BY {owner}")
+            assert db.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 1
+            Relay(db, "c").drain()
+            db.execute(f"DROP OWNED BY {owner}")
+            assert db.execute("SELECT count(*) FROM pg_extension WHERE extname = 'outbox_ext'").fetchone()[0] == 0
+        finally:
+            db.execute("RESET ROLE")
+            db.execute("SET outbox_ext.drop_undelivered = on")
+            db.execute(f"DROP OWNED BY {owner}")
+            db.execute(f"DROP ROLE {owner}")
+
+
 def test_drop_extension_with_nothing_pending_drops(db):
     db.execute("SELECT outbox.emit('a', '1', 'e', '{}')")   # no consumer: nobody waits for it
     db.execute("DROP EXTENSION outbox_ext")

@@ -12,8 +12,8 @@ import pytest
 
 from relay import Relay, first_deliveries
 
-RELEASED = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.11.0", "0.12.0", "0.13.0", "0.14.0", "0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.0"]   # every version one can upgrade from
-NEW = "0.20.0"
+RELEASED = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0", "0.10.0", "0.11.0", "0.12.0", "0.13.0", "0.14.0", "0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.0", "0.20.0"]   # every version one can upgrade from
+NEW = "0.21.0"
 
 
 @pytest.mark.parametrize("old", RELEASED)
@@ -140,7 +140,7 @@ def upgrade_script_path(db) -> str:
 
 def catalog(db) -> list[str]:
     """Every object of the extension, with its definition, privileges and comment (a table's
-    with its constraints, indexes and triggers)."""
+    with its constraints, indexes and triggers; an event trigger's event, tags and mode)."""
     rows = db.execute("""
         SELECT pg_describe_object(d.classid, d.objid, 0) || ' | ' ||
                coalesce(CASE d.classid
@@ -163,6 +163,9 @@ def catalog(db) -> list[str]:
                                                                       FROM pg_trigger t WHERE t.tgrelid = c.oid AND NOT t.tgisinternal), '')
                                                      FROM pg_class c WHERE c.oid = d.objid)
                    WHEN 'pg_namespace'::regclass THEN (SELECT coalesce(n.nspacl::text, '') FROM pg_namespace n WHERE n.oid = d.objid)
+                   WHEN 'pg_event_trigger'::regclass THEN (SELECT e.evtevent || ' ' || e.evtenabled::text || ' ' || coalesce(e.evttags::text, '') ||
+                                                                  ' ' || e.evtfoid::regproc::text
+                                                             FROM pg_event_trigger e WHERE e.oid = d.objid)
                END, '') || ' | ' || coalesce(obj_description(d.objid, d.classid::regclass::text), '')
           FROM pg_depend d
          WHERE d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e'
