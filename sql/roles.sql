@@ -32,7 +32,7 @@ BEGIN
         IF admin IS NOT NULL THEN
             RAISE EXCEPTION 'role "%" already exists and role "%" may grant it', r, admin
                 USING ERRCODE = 'insufficient_privilege',
-                      HINT = pg_catalog.format('outbox_ext gives %I its privileges: REVOKE ADMIN OPTION FOR %I FROM %I; (or drop the role) and try again.', r, r, admin);
+                      HINT = pg_catalog.format('outbox_ext gives %I its privileges: REVOKE ADMIN OPTION FOR %I FROM %I CASCADE; (CASCADE also takes back the grants of it that role made; or drop the role) and try again.', r, r, admin);
         END IF;
         IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r) THEN
             EXECUTE pg_catalog.format('CREATE ROLE %I NOLOGIN', r);

@@ -228,18 +228,27 @@ def test_the_worker_goes_on_at_once_with_what_a_run_deferred(cluster, worker_db)
 
 def test_a_role_of_ours_that_someone_else_may_grant_is_refused(cluster, new_database):
     """On PostgreSQL 16 and later, a CREATEROLE holder that made outbox_admin before the
-    extension keeps ADMIN on it, and could give itself the role once it holds privileges."""
+    extension keeps ADMIN on it, and could give itself the role once it holds privileges. The
+    hint's REVOKE works as written, also once that role has granted outbox_admin on."""
     with cluster.connect() as conn:
-        conn.execute("DO $$ BEGIN CREATE ROLE early_bird LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+        for role in ("early_bird", "early_friend"):
+            conn.execute(f"DO $$ BEGIN CREATE ROLE {role} LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$")
         conn.execute("GRANT outbox_admin TO early_bird WITH ADMIN OPTION")
+        conn.execute("SET ROLE early_bird")
+        conn.execute("GRANT outbox_admin TO early_friend")
+        conn.execute("RESET ROLE")
     try:
         with cluster.connect(new_database()) as db:
             with pytest.raises(psycopg.errors.InsufficientPrivilege) as err:
                 db.execute("CREATE EXTENSION outbox_ext")
             assert 'role "early_bird" may grant it' in err.value.diag.message_primary
-            assert "REVOKE ADMIN OPTION FOR outbox_admin FROM early_bird" in err.value.diag.message_hint
+            hint = err.value.diag.message_hint
+            assert "REVOKE ADMIN OPTION FOR outbox_admin FROM early_bird CASCADE" in hint
+            db.execute(hint.split(": ", 1)[1].split(";")[0])   # the hint's statement, as written
+            db.execute("CREATE EXTENSION outbox_ext")
     finally:
         with cluster.connect() as conn:
-            conn.execute("REVOKE outbox_admin FROM early_bird")
+            conn.execute("REVOKE outbox_admin FROM early_bird CASCADE")
+            conn.execute("REVOKE outbox_admin FROM early_friend")
     with cluster.connect(new_database()) as db:
         db.execute("CREATE EXTENSION outbox_ext")
