@@ -119,6 +119,36 @@ def test_partial_success_retries_only_the_failed_key_from_its_failure_on(
     assert conn.execute("SELECT count(*) FROM outbox.dead_letters WHERE consumer = %s", (sink,)).fetchone()[0] == 0
 
 
+
+def test_a_key_whose_events_go_to_two_topics_keeps_its_order_across_them(conn, new_sink, tansu, topic):
+    """One batch, one key: e1 and e3 for one topic, e2 for another, which fails (retriably)
+    the first two times. e3 goes out only after e2, though a request per topic would carry it
+    with e1."""
+    other = f"orders{next(_topics)}"
+    tansu.create_topic(other, partitions=2)
+    front = KafkaRestFront(tansu, {topic, other})
+    accepted, failures = [], {"left": 2}
+
+    def fail(_topic, _key, value):
+        i = json.loads(value)["i"]
+        if i == 2 and failures["left"] > 0:
+            failures["left"] -= 1
+            return 50003
+        accepted.append(i)
+        return None
+    front.faults.fail = fail
+    try:
+        sink = new_sink("kafka_rest_v2", front.url, batch_size=10)
+        with conn.transaction():
+            for i, t in ((1, topic), (2, other), (3, topic)):
+                conn.execute("SELECT outbox.emit('order', 'x', 'e', %s::jsonb, NULL, %s)", (json.dumps({"i": i}), t))
+        wait_for(lambda: len(accepted) >= 3, timeout=60)
+        assert failures["left"] == 0, "the failure was injected"
+        assert accepted == [1, 2, 3], "the key's events went out in order, once each"
+        assert conn.execute("SELECT count(*) FROM outbox.dead_letters WHERE consumer = %s", (sink,)).fetchone()[0] == 0
+    finally:
+        front.close()
+
 @pytest.mark.parametrize("variant", ["confluent", "old"])
 def test_a_fatal_record_error_dead_letters_that_event_only(conn, new_sink, tansu, front, topic, variant):
     front.faults.fail = lambda _t, key, value: 50002 if json.loads(value).get("poison") else None

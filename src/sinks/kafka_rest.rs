@@ -71,12 +71,26 @@ pub fn send(agent: &ureq::Agent, config: &Config, events: &[&Event]) -> Outcome 
     tally.finish()
 }
 
-/// Indexes of the events per Kafka topic, topics in order of first appearance.
+/// Indexes of the events per Kafka topic, topics in order of first appearance. When a key's
+/// events go to more than one topic, a topic's group would send its later events ahead of its
+/// earlier ones for another topic: then the groups are runs of consecutive events for one
+/// topic instead, sent in batch order.
 fn by_topic(config: &Config, events: &[&Event]) -> Vec<(String, Vec<usize>)> {
+    let topics: Vec<String> = events.iter().map(|e| kafka_topic(config, e)).collect();
+    let mixed = {
+        let mut topic_of: HashMap<&str, &str> = HashMap::new();
+        events.iter().zip(&topics).any(|(event, topic)| {
+            *topic_of.entry(event.aggregate_id.as_str()).or_insert(topic) != topic.as_str()
+        })
+    };
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
-    for (i, event) in events.iter().enumerate() {
-        let topic = kafka_topic(config, event);
-        match groups.iter_mut().find(|(t, _)| *t == topic) {
+    for (i, topic) in topics.into_iter().enumerate() {
+        let group = if mixed {
+            groups.last_mut().filter(|(t, _)| *t == topic)
+        } else {
+            groups.iter_mut().find(|(t, _)| *t == topic)
+        };
+        match group {
             Some((_, indexes)) => indexes.push(i),
             None => groups.push((topic, vec![i])),
         }
