@@ -413,7 +413,6 @@ def test_drop_extension_with_a_parked_key_or_dead_letter_is_refused(db, what):
     assert ("1 parked keys" if what == "parked key" else "1 dead letters") in e.value.diag.message_detail
 
 
-
 @pytest.mark.parametrize("drop", ["DROP EXTENSION plpgsql CASCADE", "DROP LANGUAGE plpgsql CASCADE",
                                   "SET session_replication_role = replica; DROP EXTENSION outbox_ext"])
 def test_a_drop_that_takes_outbox_ext_along_is_refused_too(db, drop):
