@@ -731,6 +731,21 @@ BEGIN
 END
 $$;
 
+-- The head of a parked key was not attempted (the sink throttled, lacked its topic, ran out of
+-- time): nothing is counted and nothing dead-lettered; the retry is scheduled as if the
+-- current attempt had failed.
+CREATE OR REPLACE FUNCTION outbox_internal._head_waits(c outbox.consumers, key text, error text,
+                                              retry_after interval, epoch bigint) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    UPDATE outbox._parked p
+       SET last_error = error, nacked_epoch = epoch,
+           next_attempt_at = now() + coalesce(retry_after, outbox_internal._backoff(c, greatest(p.attempts, 1)))
+     WHERE p.consumer_id = c.id AND p.aggregate_id = key;
+END
+$$;
+
 CREATE OR REPLACE FUNCTION outbox_internal._unpark_if_empty(consumer_id int, key text) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
@@ -1043,7 +1058,8 @@ BEGIN
         head         boolean,
         error        text,
         retry_after  interval,
-        final        boolean
+        final        boolean,
+        attempted    boolean   -- false: not sent (the sink's doing): the key waits, uncounted
     );
 EXCEPTION WHEN duplicate_object THEN NULL;  -- rerun: the type is there
 END
@@ -1061,8 +1077,9 @@ BEGIN
 END
 $$;
 
--- settle's failures argument, a JSON array of {"id", "error", "retry_after", "final"}: checked,
--- as unresolved failures. retry_after is a number of seconds or an interval's text.
+-- settle's failures argument, a JSON array of {"id", "error", "retry_after", "final",
+-- "attempted"}: checked, as unresolved failures. retry_after is a number of seconds or an
+-- interval's text; attempted (default true) false for an event the sink never judged.
 CREATE OR REPLACE FUNCTION outbox_internal._failures(failures jsonb) RETURNS outbox_internal._failure[]
     LANGUAGE plpgsql IMMUTABLE
 AS $$
@@ -1083,8 +1100,8 @@ BEGIN
         FOR f IN SELECT jsonb_array_elements(failures) LOOP
             i := i + 1;
             IF jsonb_typeof(f) <> 'object' OR f ->> 'id' IS NULL
-               OR f - ARRAY['id', 'error', 'retry_after', 'final'] <> '{}' THEN
-                RAISE EXCEPTION 'not an object with an id and nothing but error, retry_after and final'
+               OR f - ARRAY['id', 'error', 'retry_after', 'final', 'attempted'] <> '{}' THEN
+                RAISE EXCEPTION 'not an object with an id and nothing but error, retry_after, final and attempted'
                     USING ERRCODE = 'invalid_parameter_value';
             END IF;
             one.event_id := (f ->> 'id')::uuid;
@@ -1093,6 +1110,11 @@ BEGIN
                                    WHEN 'number' THEN make_interval(secs => (f ->> 'retry_after')::float8)
                                    ELSE (f ->> 'retry_after')::interval END;
             one.final := coalesce((f -> 'final')::boolean, false);
+            one.attempted := coalesce((f -> 'attempted')::boolean, true);
+            IF one.final AND NOT one.attempted THEN
+                RAISE EXCEPTION 'a failure not attempted cannot be final'
+                    USING ERRCODE = 'invalid_parameter_value';
+            END IF;
             PERFORM outbox_internal._check_failure(one.event_id, one.retry_after);
             list := list || one;
         END LOOP;
@@ -1101,7 +1123,8 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   DETAIL = format('It is %s.', f),
                   HINT = 'A failure is {"id": "<event id>", "error": "<text>", "retry_after": '
-                         '<seconds or interval text, optional>, "final": <true to dead-letter it now, optional>}.';
+                         '<seconds or interval text, optional>, "final": <true to dead-letter it now, optional>, '
+                         '"attempted": <false when the sink never judged it, optional>}.';
     END;
     RETURN list;
 END
@@ -1144,8 +1167,9 @@ END
 $$;
 
 -- Record a key's failure, f being its first failed event in the batch. A head counts a failed
--- attempt of its queue. An event of the window parks its key: it and the key's later events of
--- the batch are queued, in order. Returns how many events of the batch this kept back.
+-- attempt of its queue (not when f was not attempted: then it only waits). An event of the
+-- window parks its key: it and the key's later events of the batch are queued, in order.
+-- Returns how many events of the batch this kept back.
 -- A failure of the key reported earlier for this batch (nack, reject) already queued or
 -- dead-lettered its events from some point on: reported again from there or after, nothing
 -- changes; from before it, the events in between would be acked unsent, so that is refused.
@@ -1185,7 +1209,11 @@ BEGIN
             RETURN cardinality(later);  -- parked meanwhile (a replay): they wait behind its queue
         END IF;
     END IF;
-    PERFORM outbox_internal._head_failed(c, f.aggregate_id, f.error, f.retry_after, cur.epoch, f.final);
+    IF f.attempted IS FALSE THEN
+        PERFORM outbox_internal._head_waits(c, f.aggregate_id, f.error, f.retry_after, cur.epoch);
+    ELSE
+        PERFORM outbox_internal._head_failed(c, f.aggregate_id, f.error, f.retry_after, cur.epoch, f.final);
+    END IF;
     RETURN CASE WHEN f.head THEN 1 ELSE cardinality(later) END;
 END
 $$;
@@ -1287,7 +1315,7 @@ DECLARE
     c     outbox.consumers := outbox_internal._consumer(consumer);
     cur   outbox._cursor_log;
     batch outbox.events[];
-    f     outbox_internal._failure := ROW(event_id, NULL, NULL, NULL, error, retry_after, final);
+    f     outbox_internal._failure := ROW(event_id, NULL, NULL, NULL, error, retry_after, final, true);
 BEGIN
     PERFORM outbox_internal._check_failure(event_id, retry_after);
     cur := outbox_internal._leased(c.id, shard, epoch);
@@ -1480,7 +1508,8 @@ $$;
 COMMENT ON FUNCTION outbox.settle(text, int, bigint, jsonb) IS
     'Finishes a claimed batch in one call. failures lists the events that failed, as a JSON array '
     'of {"id", "error", "retry_after" (seconds or interval text, optional), "final" (true: '
-    'dead-letter now)}; a failed key''s later events in the batch wait behind it, in order, '
+    'dead-letter now), "attempted" (false: not sent, e.g. the sink throttled; no attempt is '
+    'counted)}; a failed key''s later events in the batch wait behind it, in order, '
     'whatever was said of them; every other event counts as delivered and the shard moves on. '
     'Returns how many events were kept back. Example: SELECT outbox.settle(''hook'', 3, 17, '
     '''[{"id": "0190...", "error": "HTTP 503", "retry_after": 30}]'');';

@@ -97,6 +97,8 @@ GRANT EXECUTE ON FUNCTION
                        jsonb, text, jsonb, text, text, interval, text, text, int, interval,
                        interval, boolean),
     outbox.drop_sink(text),
+    outbox.pause_sink(text),
+    outbox.resume_sink(text),
     outbox.maintain()
 TO outbox_admin;
 GRANT SELECT ON outbox.events, outbox.consumers, outbox.sinks, outbox._sink_stats,

@@ -4,8 +4,8 @@
 -- every second, so changes apply without a restart.
 --
 -- Rerunnable: tables only where missing, functions replaced.
--- Name resolution (sql/grants.sql): the trigger function is [pinned], create_sink and drop_sink
--- are [caller], outbox_internal._check_sink_settings is [native], _check_kafka_settings is [pinned],
+-- Name resolution (sql/grants.sql): the trigger function is [pinned], create_sink, drop_sink,
+-- pause_sink and resume_sink are [caller], outbox_internal._check_sink_settings is [native], _check_kafka_settings is [pinned],
 -- _is_string_map is [parsed].
 
 CREATE TABLE IF NOT EXISTS outbox.sinks (
@@ -51,7 +51,14 @@ CREATE TABLE IF NOT EXISTS outbox._sink_stats (
     last_delivered_at timestamptz,
     last_error        text,
     last_error_at     timestamptz,
-    updated_at        timestamptz NOT NULL DEFAULT now()
+    updated_at        timestamptz NOT NULL DEFAULT now(),
+    -- the sink's health (src/worker/health.rs): healthy, or suspended since state_since for
+    -- state_reason, probed next at next_probe_at; suspensions counts them
+    state             text        NOT NULL DEFAULT 'healthy',
+    state_reason      text,
+    state_since       timestamptz,
+    next_probe_at     timestamptz,
+    suspensions       bigint      NOT NULL DEFAULT 0
 );
 
 -- Every check a sink row must pass, with the fix in the hint; also stamps updated_at (the
@@ -245,3 +252,39 @@ CREATE OR REPLACE FUNCTION outbox.drop_sink(name text) RETURNS boolean
 COMMENT ON FUNCTION outbox.drop_sink(text) IS
     'Drops a sink with its consumer, parked keys and dead letters; false if there was none. '
     'Example: SELECT outbox.drop_sink(''billing'');';
+
+-- By hand: an admin stops a sink's deliveries (enabled = false: the worker lets go of it; batches
+-- out are settled as they come back) and starts them again. Resuming also ends a suspension at
+-- once: the worker starts afresh with a changed row (updated_at), without waiting for a probe.
+-- With the caller's rights, like create_sink: the UPDATE needs outbox_admin's.
+CREATE OR REPLACE FUNCTION outbox.pause_sink(name text) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    UPDATE outbox.sinks s SET enabled = false WHERE s.name OPERATOR(pg_catalog.=) pause_sink.name;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'sink "%" does not exist', name
+            USING ERRCODE = 'undefined_object', HINT = 'SELECT name FROM outbox.sinks lists them.';
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION outbox.pause_sink(text) IS
+    'Stops the worker delivering to the sink (its events wait; outbox.status shows it '
+    'disabled) until outbox.resume_sink. Example: SELECT outbox.pause_sink(''billing'');';
+
+CREATE OR REPLACE FUNCTION outbox.resume_sink(name text) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- always an update, enabled or not: a new updated_at makes the worker start afresh
+    UPDATE outbox.sinks s SET enabled = true WHERE s.name OPERATOR(pg_catalog.=) resume_sink.name;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'sink "%" does not exist', name
+            USING ERRCODE = 'undefined_object', HINT = 'SELECT name FROM outbox.sinks lists them.';
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION outbox.resume_sink(text) IS
+    'Starts delivering to a paused sink again; on a suspended sink, ends the suspension and '
+    'delivers at once (e.g. after fixing what made every request fail). '
+    'Example: SELECT outbox.resume_sink(''billing'');';

@@ -83,7 +83,19 @@ SELECT s.consumer,
        st.failed AS failed_total,
        st.last_delivered_at,
        st.last_error AS last_sink_error,
-       st.last_error_at AS last_sink_error_at
+       st.last_error_at AS last_sink_error_at,
+       -- every event not yet delivered: pending in the log, and waiting behind parked keys
+       sum(s.pending)::bigint
+           + (SELECT count(*) FROM outbox._parked_events q JOIN outbox.consumers c ON c.id = q.consumer_id
+               WHERE c.name = s.consumer) AS undelivered,
+       -- the sink's health (src/worker/health.rs), as the worker last wrote it
+       CASE WHEN k.name IS NULL THEN NULL
+            WHEN NOT k.enabled THEN 'disabled'
+            ELSE coalesce(st.state, 'healthy') END AS sink_state,
+       CASE WHEN k.enabled THEN st.state_reason END AS sink_state_reason,
+       CASE WHEN k.enabled THEN st.state_since END AS sink_state_since,
+       CASE WHEN k.enabled THEN st.next_probe_at END AS sink_next_probe_at,
+       st.suspensions AS sink_suspensions
   FROM outbox.shard_status s
   LEFT JOIN outbox.sinks k ON k.name = s.consumer
   LEFT JOIN outbox._sink_stats st ON st.sink = s.consumer
@@ -91,5 +103,7 @@ SELECT s.consumer,
 COMMENT ON VIEW outbox.status IS
     'One row per consumer (a sink is one): pending events and lag, parked keys and events, dead '
     'letters, the last error, leased shards, events waiting in the default partition '
-    '(outbox.maintain() moves them), and for a sink the worker''s delivery rate and last error. '
-    'Example: SELECT consumer, pending, lag, dead_letters, last_error FROM outbox.status;';
+    '(outbox.maintain() moves them), for a sink the worker''s delivery rate and last error, '
+    'every event not yet delivered (undelivered: watch this one), and the sink''s state '
+    '(healthy, suspended with its reason, since and next probe, or disabled). '
+    'Example: SELECT consumer, undelivered, lag, dead_letters, sink_state, sink_state_reason FROM outbox.status;';

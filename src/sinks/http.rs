@@ -243,19 +243,27 @@ pub fn host_of(url: &str) -> &str {
         .map_or(authority, |(_, host)| host)
 }
 
-/// How a reply that is not a success counts:
-/// - the sink is unavailable or throttling (429, 502, 503, 504), or redirects (a wrong URL):
-///   nothing is blamed on the events; the batch waits;
+/// How a reply that is not a success counts (hints: the worker blames an event only when the
+/// sink is shown healthy for other events, src/worker/health.rs):
+/// - throttling (429): never the events' fault, whatever else the sink does: they go back
+///   unsent and the sink is slowed;
+/// - a sink that is unavailable, refuses our credentials or moved (401, 403, 404, 407, 410,
+///   502, 503, 504, redirects): about the sink;
 /// - 408 and other 5xx may be caused by the events: retried per key, with backoff;
-/// - any other 4xx refuses the events for good: dead-lettered.
+/// - 413 for one event: that event is too large, beyond doubt;
+/// - any other 4xx (400, 422, ...) refuses the events for good.
 ///
 /// `n` is the number of events the request carried.
 pub fn judge_failure(reply: &Reply, what: &str, n: usize) -> Outcome {
     let error = describe(reply, what);
     let retry_after = reply.retry_after;
     match reply.status {
-        429 | 502..=504 | 300..=399 => Outcome::SinkDown { error, retry_after },
+        429 => Outcome::all(n, Verdict::Unsent { error, retry_after }),
+        401 | 403 | 404 | 407 | 410 | 502..=504 | 300..=399 => {
+            Outcome::SinkDown { error, retry_after }
+        }
         408 | 500..=599 => Outcome::all(n, Verdict::Retry { error, retry_after }),
+        413 => Outcome::all(n, Verdict::Invalid { error }),
         _ => Outcome::all(n, Verdict::Reject { error }),
     }
 }
@@ -348,18 +356,21 @@ mod tests {
             retry_after: None,
             body: String::new(),
         };
-        for status in [429, 503, 502, 504, 301] {
+        for status in [401, 403, 404, 407, 410, 503, 502, 504, 301] {
             assert!(matches!(
                 judge_failure(&reply(status), "x", 1),
                 Outcome::SinkDown { .. }
             ));
         }
+        assert!(
+            matches!(judge_failure(&reply(429), "x", 1), Outcome::Events(v) if matches!(v[0], Verdict::Unsent { .. }))
+        );
         for status in [408, 500, 501] {
             assert!(
                 matches!(judge_failure(&reply(status), "x", 1), Outcome::Events(v) if matches!(v[0], Verdict::Retry { .. }))
             );
         }
-        for status in [400, 401, 404, 413, 422] {
+        for status in [400, 422] {
             assert!(
                 matches!(judge_failure(&reply(status), "x", 1), Outcome::Events(v) if matches!(v[0], Verdict::Reject { .. }))
             );

@@ -99,17 +99,18 @@ impl Producer {
 
     /// Produces the batch, in order, and waits for each record's delivery report until the
     /// sink's request_timeout.
-    pub fn send(&self, config: &Config, events: &[&Event]) -> Outcome {
+    pub fn send(&self, config: &Config, events: &[&Event], deadline: Instant) -> Outcome {
         let live = match self.live() {
             Ok(live) => live,
             Err(error) => {
-                return Outcome::SinkDown {
+                let unsent = Verdict::Unsent {
                     error,
                     retry_after: None,
-                }
+                };
+                return Outcome::all(events.len(), unsent);
             }
         };
-        let deadline = Instant::now() + config.request_timeout;
+        let deadline = deadline.min(Instant::now() + config.request_timeout);
         let batch = Arc::new(Batch::new(events.len()));
         // per key, its last record queued in this batch: (index, topic)
         let mut last: HashMap<&str, (usize, String)> = HashMap::new();
@@ -143,11 +144,10 @@ impl Producer {
             last.insert(key, (i, topic));
         }
         batch.wait(deadline);
-        let outcome = batch.outcome(live.context().last_error());
-        if let Outcome::SinkDown { .. } = outcome {
+        if batch.nothing_through() {
             self.retire(&live);
         }
-        outcome
+        batch.outcome(live.context().last_error())
     }
 
     /// Nothing got through by the deadline: the next batch gets a new producer, and this one,
@@ -202,7 +202,7 @@ fn produce(
     deadline: Instant,
 ) -> Result<(), Verdict> {
     if crate::emit::check_topic(topic).is_err() {
-        return Err(Verdict::Reject {
+        return Err(Verdict::Invalid {
             error: format!("Kafka: \"{topic}\" is not a valid Kafka topic name"),
         });
     }
@@ -237,8 +237,10 @@ fn produce(
 }
 
 /// The verdict on a record librdkafka could not deliver (or queue): dead-lettered when the
-/// broker will never take it, else retried. An unknown topic is retried: its key waits, in
-/// order, until the topic is made (or its attempts run out).
+/// broker will never take this record; anything else is the cluster's (a topic not made yet or
+/// denied to us, credentials, leaders away, not enough replicas, timeouts) and never counted
+/// against the record: its key waits, in order, and the sink is suspended when nothing gets
+/// through (src/worker/health.rs).
 fn judge(error: &KafkaError) -> Verdict {
     let error_text = format!("Kafka: {error}");
     match error.rdkafka_error_code() {
@@ -249,10 +251,9 @@ fn judge(error: &KafkaError) -> Verdict {
             | Code::InvalidMessage
             | Code::InvalidRecord
             | Code::InvalidTopic
-            | Code::TopicAuthorizationFailed
             | Code::InvalidArgument,
-        ) => Verdict::Reject { error: error_text },
-        _ => Verdict::Retry {
+        ) => Verdict::Invalid { error: error_text },
+        _ => Verdict::Unsent {
             error: error_text,
             retry_after: None,
         },
@@ -293,6 +294,13 @@ impl Batch {
                 self.reported.notify_all();
             }
         }
+    }
+
+    /// Some record has no report by the deadline and none was delivered: the cluster is out
+    /// of reach.
+    fn nothing_through(&self) -> bool {
+        let verdicts = &self.verdicts.lock().unwrap_or_else(|e| e.into_inner()).of;
+        verdicts.iter().any(Option::is_none) && !verdicts.contains(&Some(Verdict::Delivered))
     }
 
     /// Record i's verdict, if it has one yet.
@@ -337,8 +345,8 @@ impl Batch {
         verdicts
     }
 
-    /// The verdicts; records with no report yet are retried, unless nothing was delivered at
-    /// all (then the sink is down and the batch is given back).
+    /// The verdicts; records with no report by the deadline go back unsent (librdkafka retries
+    /// on its own until then: what it could not deliver is the cluster's doing).
     /// `client_said`: the producer's last error, if any (e.g. a failed TLS handshake).
     fn outcome(&self, client_said: Option<String>) -> Outcome {
         let verdicts = &self.verdicts.lock().unwrap_or_else(|e| e.into_inner()).of;
@@ -346,17 +354,11 @@ impl Batch {
             Some(said) => format!("Kafka: no delivery report within request_timeout: {said}"),
             None => "Kafka: no delivery report within request_timeout (broker unreachable?)".into(),
         };
-        if verdicts.iter().any(Option::is_none) && !verdicts.contains(&Some(Verdict::Delivered)) {
-            return Outcome::SinkDown {
-                error,
-                retry_after: None,
-            };
-        }
         Outcome::Events(
             verdicts
                 .iter()
                 .map(|v| {
-                    v.clone().unwrap_or(Verdict::Retry {
+                    v.clone().unwrap_or(Verdict::Unsent {
                         error: error.clone(),
                         retry_after: None,
                     })

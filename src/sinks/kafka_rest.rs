@@ -19,13 +19,20 @@
 
 use super::http::{self, judge_failure, Reply};
 use super::kafka::{kafka_topic, record_headers};
-use super::{held_back, push_json_str, split, Config, Event, Kind, Outcome, Tally, Verdict};
+use super::{
+    held_back, out_of_time, push_json_str, split, Config, Event, Kind, Outcome, Tally, Verdict,
+};
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
 use serde_json::Value;
 use std::collections::{HashMap, HashSet};
 
-pub fn send(agent: &ureq::Agent, config: &Config, events: &[&Event]) -> Outcome {
+pub fn send(
+    agent: &ureq::Agent,
+    config: &Config,
+    events: &[&Event],
+    deadline: std::time::Instant,
+) -> Outcome {
     let mut tally = Tally::new(events.len());
     let mut failed: HashSet<&str> = HashSet::new();
     for (topic, indexes) in by_topic(config, events) {
@@ -34,7 +41,7 @@ pub fn send(agent: &ureq::Agent, config: &Config, events: &[&Event]) -> Outcome 
             for &i in &indexes {
                 tally.set(
                     i,
-                    Verdict::Reject {
+                    Verdict::Invalid {
                         error: error.clone(),
                     },
                 );
@@ -53,6 +60,9 @@ pub fn send(agent: &ureq::Agent, config: &Config, events: &[&Event]) -> Outcome 
             }
             if sent.is_empty() {
                 continue;
+            }
+            if out_of_time(config, deadline) {
+                return tally.finish(); // the rest goes back unsent
             }
             let records: Vec<&Event> = sent.iter().map(|&i| events[i]).collect();
             let outcome = post_records(agent, config, &topic, &records);
@@ -166,18 +176,23 @@ pub fn judge_reply(kind: Kind, reply: &Reply, what: &str, n: usize) -> Outcome {
             (0..n)
                 .map(|i| match reports.get(i) {
                     Some(report) => record_verdict(report, what),
-                    None => Verdict::Retry {
+                    None => Verdict::Unsent {
                         error: format!("{what}: no report for this record in the reply"),
                         retry_after: None,
                     },
                 })
                 .collect(),
         ),
-        None if (200..300).contains(&reply.status) => Outcome::all(
+        None if (200..300).contains(&reply.status) => Outcome::SinkDown {
+            error: http::describe(reply, &format!("{what} (reply not understood)")),
+            retry_after: None,
+        },
+        // a topic the cluster lacks or denies us is the sink's to fix, never the record's
+        None if matches!(reply.status, 401 | 403 | 404) => Outcome::all(
             n,
-            Verdict::Retry {
-                error: http::describe(reply, &format!("{what} (reply not understood)")),
-                retry_after: None,
+            Verdict::Unsent {
+                error: http::describe(reply, what),
+                retry_after: reply.retry_after,
             },
         ),
         None => judge_failure(reply, what, n),
@@ -209,32 +224,40 @@ fn record_verdict(report: &Value, what: &str) -> Verdict {
         .unwrap_or("");
     match code {
         None | Some(0) | Some(200) if message.is_empty() => Verdict::Delivered,
-        None | Some(0) | Some(200) => Verdict::Retry {
+        None | Some(0) | Some(200) => Verdict::Unsent {
             error: format!("{what}: {message}"),
             retry_after: None,
         },
         Some(code) => {
             let error = format!("{what}: error_code {code}: {message}");
-            if fatal(code) {
-                Verdict::Reject { error }
-            } else {
-                Verdict::Retry {
+            match about_the_record(code) {
+                Some(true) => Verdict::Invalid { error },
+                Some(false) => Verdict::Reject { error },
+                None => Verdict::Unsent {
                     error,
                     retry_after: None,
-                }
+                },
             }
         }
     }
 }
 
-/// Codes that will fail again however often they are retried. Unknown codes are retried:
-/// a key that keeps failing is dead-lettered after max_attempts anyway.
-fn fatal(code: i64) -> bool {
+/// Codes that say the record itself will never be taken (dead-lettered): Some(true) beyond
+/// doubt (Kafka's own: too large, invalid topic, invalid record), Some(false) as far as the
+/// proxy says (a 4xx). None: the proxy's or the brokers' doing (throttled, a topic or
+/// partition it lacks, credentials, a leader away, not enough replicas), never counted
+/// against the record, which waits.
+fn about_the_record(code: i64) -> Option<bool> {
     let http_class = if code >= 1000 { code / 100 } else { code };
     match code {
-        1 | 50002 => true,         // old proxies' "non-retriable"; v2 fatal
-        10 | 17 | 18 | 87 => true, // Kafka: too large, invalid topic, record invalid
-        _ => (400..500).contains(&http_class) && !matches!(http_class, 408 | 429),
+        10 | 17 | 18 | 87 => Some(true),
+        1 | 50002 => Some(false), // old proxies' "non-retriable"; v2 fatal
+        _ if (400..500).contains(&http_class)
+            && !matches!(http_class, 401 | 403 | 404 | 407 | 408 | 429) =>
+        {
+            Some(false)
+        }
+        _ => None,
     }
 }
 
@@ -332,7 +355,8 @@ mod tests {
                 .map(|v| match v {
                     Verdict::Delivered | Verdict::Skipped => "ok",
                     Verdict::Retry { .. } => "retry",
-                    Verdict::Reject { .. } => "reject",
+                    Verdict::Reject { .. } | Verdict::Invalid { .. } => "reject",
+                    Verdict::Unsent { .. } | Verdict::HeldBack => "unsent",
                 })
                 .collect(),
         }
@@ -347,15 +371,15 @@ mod tests {
         let v2 = Kind::KafkaRestV2;
         assert_eq!(
             kinds(judge_reply(v2, &reply(200, confluent), "k", 3)),
-            ["ok", "retry", "reject"]
+            ["ok", "unsent", "reject"]
         );
         // whole request 422 with old codes 1 (fatal) / 2 (retriable); success without fields
         let old = r#"{"offsets":[{"partition":0,"offset":4},{"error_code":2,"error":"x"},{"error_code":1,"error":"y"}]}"#;
         assert_eq!(
             kinds(judge_reply(v2, &reply(422, old), "k", 3)),
-            ["ok", "retry", "reject"]
+            ["ok", "unsent", "reject"]
         );
-        // fewer offsets than records: the rest is retried, never assumed delivered
+        // fewer offsets than records: the rest goes back, never assumed delivered
         assert_eq!(
             kinds(judge_reply(
                 v2,
@@ -363,8 +387,9 @@ mod tests {
                 "k",
                 2
             )),
-            ["ok", "retry"]
+            ["ok", "unsent"]
         );
+        // a topic the cluster lacks: the sink's to fix, never the records'
         assert_eq!(
             kinds(judge_reply(
                 v2,
@@ -372,11 +397,11 @@ mod tests {
                 "k",
                 2
             )),
-            ["reject", "reject"]
+            ["unsent", "unsent"]
         );
         assert_eq!(
             kinds(judge_reply(v2, &reply(200, "<html>"), "k", 1)),
-            ["retry"]
+            ["down"]
         );
     }
 
@@ -387,12 +412,13 @@ mod tests {
             {"error_code":429,"message":"slow down"}{"error_code":40403,"message":"nope"}"#;
         assert_eq!(
             kinds(judge_reply(v3, &reply(200, body), "k", 3)),
-            ["ok", "retry", "reject"]
+            ["ok", "unsent", "unsent"]
         );
-        let array = r#"[{"error_code":200},{"error_code":50003,"message":"m"}]"#;
+        let array =
+            r#"[{"error_code":200},{"error_code":50003,"message":"m"},{"error_code":40002}]"#;
         assert_eq!(
-            kinds(judge_reply(v3, &reply(200, array), "k", 2)),
-            ["ok", "retry"]
+            kinds(judge_reply(v3, &reply(200, array), "k", 3)),
+            ["ok", "unsent", "reject"]
         );
         assert_eq!(
             kinds(judge_reply(
@@ -401,7 +427,7 @@ mod tests {
                 "k",
                 2
             )),
-            ["down"]
+            ["unsent", "unsent"]
         );
     }
 

@@ -15,7 +15,7 @@ pub mod kafka_rest;
 pub mod webhook;
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// One claimed event, as the worker read it (JSON fields kept as the text PostgreSQL gave).
 #[derive(Debug, Clone)]
@@ -118,13 +118,36 @@ pub enum Verdict {
     Reject {
         error: String,
     },
+    /// The event itself can never be sent: checked before sending (a topic name Kafka refuses),
+    /// or refused by the sink for its own content beyond doubt (too large, not a valid record).
+    /// Dead-lettered whatever the sink's health.
+    Invalid {
+        error: String,
+    },
+    /// Not sent because an earlier event of its key in the batch failed (settle keeps a failed
+    /// key's later events back whatever is said of them).
+    HeldBack,
+    /// Not attempted, or refused for a reason of the sink's own (throttled, a topic it lacks,
+    /// no report by the deadline, the batch out of time): never blamed on the event. Its key
+    /// waits, in order, with no attempt counted (settle's `"attempted": false`).
+    Unsent {
+        error: String,
+        retry_after: Option<Duration>,
+    },
+}
+
+impl Verdict {
+    pub fn is_failure(&self) -> bool {
+        !matches!(self, Verdict::Delivered | Verdict::Skipped)
+    }
 }
 
 /// What became of a batch.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
-    /// The sink could not be reached or asked us to back off: nothing is blamed on the events;
-    /// the batch is given back and the sink paused.
+    /// The whole request failed in a way that points at the sink (unreachable, TLS, 401, 404,
+    /// 5xx from a gateway): the worker blames the events only when the sink is shown healthy
+    /// for other events (src/worker/health.rs); otherwise the batch goes back unattempted.
     SinkDown {
         error: String,
         retry_after: Option<Duration>,
@@ -175,12 +198,16 @@ impl Client {
     }
 
     /// Delivers a batch: the events of the shard in one go, then (over HTTP) the retried heads
-    /// of parked keys one request each, so that a poisoned event fails alone. A Kafka producer
-    /// reports on each record by itself: its whole batch goes in one go.
-    pub fn deliver(&self, events: &[Event]) -> Outcome {
-        let (first, retried): (Vec<usize>, Vec<usize>) = (0..events.len())
-            .partition(|&i| events[i].attempt <= 1 || self.config.kind == Kind::Kafka);
+    /// of parked keys one request each, so that a poisoned event fails alone. A probe of a
+    /// suspended sink sends every event alone, for the same reason. A Kafka producer reports
+    /// on each record by itself: its whole batch goes in one go. No request starts that could
+    /// outlast `deadline` (the batch's lease): what is left then goes back unsent.
+    pub fn deliver(&self, events: &[Event], deadline: Instant, probe: bool) -> Outcome {
+        let alone = |e: &Event| (e.attempt > 1 || probe) && self.config.kind != Kind::Kafka;
+        let (retried, first): (Vec<usize>, Vec<usize>) =
+            (0..events.len()).partition(|&i| alone(&events[i]));
         let mut tally = Tally::new(events.len());
+        let mut failed_keys: Vec<&str> = Vec::new();
         let groups = std::iter::once(first).chain(retried.into_iter().map(|i| vec![i]));
         for group in groups {
             let (routed, skipped): (Vec<usize>, Vec<usize>) = group
@@ -189,32 +216,55 @@ impl Client {
             for i in skipped {
                 tally.set(i, Verdict::Skipped);
             }
+            let (held, routed): (Vec<usize>, Vec<usize>) = routed
+                .into_iter()
+                .partition(|&i| failed_keys.contains(&events[i].aggregate_id.as_str()));
+            for i in held {
+                tally.set(i, held_back());
+            }
             if routed.is_empty() {
                 continue;
             }
+            if out_of_time(&self.config, deadline) {
+                break; // finish() gives the rest back unsent
+            }
             let part: Vec<&Event> = routed.iter().map(|&i| &events[i]).collect();
-            if let Some(stop) = tally.record(&routed, self.send(&part)) {
+            let outcome = self.send(&part, deadline);
+            if let Outcome::Events(verdicts) = &outcome {
+                let failed = routed.iter().zip(verdicts).filter(|(_, v)| v.is_failure());
+                failed_keys.extend(failed.map(|(&i, _)| events[i].aggregate_id.as_str()));
+            }
+            if let Some(stop) = tally.record(&routed, outcome) {
                 return stop;
             }
         }
         tally.finish()
     }
 
-    fn send(&self, events: &[&Event]) -> Outcome {
+    fn send(&self, events: &[&Event], deadline: Instant) -> Outcome {
         match (&self.transport, self.config.kind) {
-            (Transport::Kafka(producer), _) => producer.send(&self.config, events),
+            (Transport::Kafka(producer), _) => producer.send(&self.config, events, deadline),
             (Transport::Http { agent, signer }, Kind::Webhook) => {
-                webhook::send(agent, &self.config, signer.as_ref(), events)
+                webhook::send(agent, &self.config, signer.as_ref(), events, deadline)
             }
-            (Transport::Http { agent, .. }, _) => kafka_rest::send(agent, &self.config, events),
+            (Transport::Http { agent, .. }, _) => {
+                kafka_rest::send(agent, &self.config, events, deadline)
+            }
         }
     }
 }
 
+/// Whether a request started now could still be going at `deadline` (the batch's lease, less
+/// a margin for settling): a batch must never be re-claimed while part of it is still out, or
+/// the later copy could overtake newer events of its keys.
+pub fn out_of_time(config: &Config, deadline: Instant) -> bool {
+    Instant::now() + config.request_timeout >= deadline
+}
+
 /// The verdicts of a batch sent in several requests. When the sink goes down after part of the
 /// batch got through, giving the whole batch back would send that part again: instead the part
-/// that got through is acked and the rest retried per key (one attempt counted); later batches
-/// find the sink down at their first request and are given back whole, uncounted.
+/// that got through is acked and the rest goes back unsent (its keys wait, no attempt
+/// counted); later batches find the sink down at their first request and are given back whole.
 pub struct Tally {
     verdicts: Vec<Option<Verdict>>,
     any_sent: bool,
@@ -243,27 +293,28 @@ impl Tally {
                 }
                 None
             }
-            Outcome::SinkDown { error, retry_after } if self.any_sent => Some(Outcome::Events(
-                self.verdicts
-                    .iter()
-                    .map(|v| {
-                        v.clone().unwrap_or(Verdict::Retry {
-                            error: error.clone(),
-                            retry_after,
-                        })
-                    })
-                    .collect(),
-            )),
+            Outcome::SinkDown { error, retry_after } if self.any_sent => {
+                let unsent = Verdict::Unsent { error, retry_after };
+                Some(self.finish_with(unsent))
+            }
             down => Some(down),
         }
     }
 
-    /// Events no request carried count as delivered (skipped by routing).
-    pub fn finish(self) -> Outcome {
+    /// The verdicts; an event no request carried (the batch ran out of time) goes back unsent:
+    /// an event without a verdict from the sink is never acked.
+    pub fn finish(mut self) -> Outcome {
+        self.finish_with(Verdict::Unsent {
+            error: "not sent: the batch ran out of time within its lease".into(),
+            retry_after: None,
+        })
+    }
+
+    fn finish_with(&mut self, unsent: Verdict) -> Outcome {
         Outcome::Events(
-            self.verdicts
+            std::mem::take(&mut self.verdicts)
                 .into_iter()
-                .map(|v| v.unwrap_or(Verdict::Delivered))
+                .map(|v| v.unwrap_or_else(|| unsent.clone()))
                 .collect(),
         )
     }
@@ -305,10 +356,7 @@ pub fn split(events: &[&Event], send: impl Fn(&[&Event]) -> Outcome) -> Outcome 
 
 /// The verdict of an event not sent because an earlier event of its key failed.
 pub fn held_back() -> Verdict {
-    Verdict::Retry {
-        error: "held back behind an earlier event of its key".into(),
-        retry_after: None,
-    }
+    Verdict::HeldBack
 }
 
 /// Appends `s` as a JSON string.
@@ -425,7 +473,7 @@ mod tests {
             panic!("expected verdicts");
         };
         assert_eq!(v[0], Verdict::Delivered);
-        assert!(matches!(&v[1], Verdict::Retry { error, .. } if error == "refused"));
-        assert!(matches!(&v[2], Verdict::Retry { .. }), "not sent: retried");
+        assert!(matches!(&v[1], Verdict::Unsent { error, .. } if error == "refused"));
+        assert!(matches!(&v[2], Verdict::Unsent { .. }), "not sent: unsent");
     }
 }

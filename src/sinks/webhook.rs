@@ -4,7 +4,7 @@
 //! Webhooks way: `webhook-signature: v1,base64(HMAC-SHA256(key, "{id}.{timestamp}.{body}"))`.
 
 use super::http::{self, judge_failure};
-use super::{held_back, push_json_str, split, Config, Event, Outcome, Tally, Verdict};
+use super::{held_back, out_of_time, push_json_str, split, Config, Event, Outcome, Tally, Verdict};
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -46,6 +46,7 @@ pub fn send(
     config: &Config,
     signer: Option<&Signer>,
     events: &[&Event],
+    deadline: std::time::Instant,
 ) -> Outcome {
     if config.format == "single" {
         // once an event of a key fails, the key's later events are not sent ahead of it
@@ -55,6 +56,9 @@ pub fn send(
             if failed.contains(&event.aggregate_id.as_str()) {
                 tally.set(i, held_back());
                 continue;
+            }
+            if out_of_time(config, deadline) {
+                break; // the rest goes back unsent
             }
             let outcome = post(agent, config, signer, &[event]);
             if matches!(&outcome, Outcome::Events(v) if v.iter().any(|v| *v != Verdict::Delivered))

@@ -1,14 +1,16 @@
 //! The worker's delivery loop: keeps up to `concurrency` batches in flight per sink, each a
 //! shard claimed in a short transaction and handed to the delivery threads; settles what comes
-//! back, also in short transactions; pauses a sink that is down; keeps each sink's figures.
+//! back, also in short transactions, as the sink's health judges it (src/worker/health.rs:
+//! a suspended sink gets one probe at a time); keeps each sink's figures.
 //! Woken by its latch (emit's commit, signals), by a finished batch, or by the fallback poll
-//! (prepared transactions, parked keys falling due, a paused sink resuming).
+//! (prepared transactions, parked keys falling due, a suspended sink's next probe).
 
+use super::health::{Claims, Health, Judgement, State, PROBE_EVENTS};
 use super::metrics::Metrics;
 use super::pool::{Done, Pool};
 use super::queries::{self, Figures, SinkRow};
 use super::{report_activity, stop_requested};
-use crate::sinks::{Client, Outcome};
+use crate::sinks::Client;
 use pgrx::prelude::*;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -21,8 +23,6 @@ const RELOAD: Duration = Duration::from_secs(1);
 const FLUSH: Duration = Duration::from_secs(2);
 /// The delivery rate is the average over this window.
 const RATE_WINDOW: Duration = Duration::from_secs(10);
-/// A sink that is down is retried after 0.5 s, doubling up to this.
-const MAX_PAUSE: Duration = Duration::from_secs(30);
 /// On SIGTERM, batches in flight get this long to finish and be settled.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// Claims shrink below the sink's batch_size when events are big, to about this many bytes,
@@ -34,8 +34,12 @@ struct Sink {
     stamp: String,
     /// Events per claim: batch_size, less when events are big (see BATCH_BYTES).
     batch_limit: i32,
-    paused_until: Option<Instant>,
-    down_streak: u32,
+    health: Health,
+    /// Suspensions not yet written to outbox._sink_stats; the state changed since the last write.
+    new_suspensions: i64,
+    health_changed: bool,
+    /// A claim failed: no claim before this.
+    claim_retry_at: Option<Instant>,
     figures: Figures,
     recent: VecDeque<(Instant, usize)>,
     /// The last figures written said "nothing happening".
@@ -77,7 +81,10 @@ impl Delivery {
         let now = Instant::now();
         let mut until = deadline.min(now + POLL).min(self.next_flush);
         for sink in self.sinks.values() {
-            if let Some(t) = sink.paused_until {
+            for t in [sink.health.wake_at(), sink.claim_retry_at]
+                .into_iter()
+                .flatten()
+            {
                 until = until.min(t);
             }
         }
@@ -198,11 +205,23 @@ impl Delivery {
                 sink.batch_limit = sink.batch_limit.min(client.config.batch_size);
                 sink.client = client;
                 sink.stamp = row.stamp;
-                sink.paused_until = None;
+                sink.claim_retry_at = None;
+                sink.health.reset(); // a fixed credential or URL is tried at once
+                if sink.health.take_changed() {
+                    health_changed(&name, sink, self.metrics.as_ref());
+                }
             }
             None => {
-                if let Err(e) = queries::take_back_leases(&name) {
-                    warning!("outbox_ext: sink \"{name}\": taking back leases: {e}");
+                // a dead worker's leases (at start); never those of batches this worker still
+                // has out (the sink was disabled and enabled again meanwhile): taken back, they
+                // could be claimed again and overtake the copy still out
+                if self.pool.in_flight(&name) == 0 {
+                    if let Err(e) = queries::take_back_leases(&name) {
+                        warning!("outbox_ext: sink \"{name}\": taking back leases: {e}");
+                    }
+                }
+                if let Some(metrics) = &self.metrics {
+                    metrics.set_health(&name, &Health::default());
                 }
                 self.sinks.insert(
                     name,
@@ -210,8 +229,10 @@ impl Delivery {
                         batch_limit: client.config.batch_size,
                         client,
                         stamp: row.stamp,
-                        paused_until: None,
-                        down_streak: 0,
+                        health: Health::default(),
+                        new_suspensions: 0,
+                        health_changed: true,
+                        claim_retry_at: None,
                         figures: Figures::default(),
                         recent: VecDeque::new(),
                         flushed_idle: false,
@@ -225,21 +246,42 @@ impl Delivery {
     fn claim_more(&mut self) {
         let now = Instant::now();
         for (name, sink) in self.sinks.iter_mut() {
-            if sink.paused_until.is_some_and(|t| t > now) {
+            if sink.claim_retry_at.is_some_and(|t| t > now) {
                 continue;
             }
-            sink.paused_until = None;
+            sink.claim_retry_at = None;
             let config = &sink.client.config;
+            let probe = match sink.health.claims(now, self.pool.in_flight(name)) {
+                Claims::None => continue,
+                Claims::Probe => true,
+                Claims::Full => false,
+            };
             while self.pool.in_flight(name) < config.concurrency {
-                match queries::claim(config, sink.batch_limit, lease(config)) {
+                let limit = match probe {
+                    true => PROBE_EVENTS.min(sink.batch_limit),
+                    false => sink.batch_limit,
+                };
+                match queries::claim(config, limit, lease(config)) {
                     Ok(Some(batch)) => {
-                        sink.batch_limit = batch_limit(config.batch_size, &batch.events);
-                        self.pool.submit(Arc::clone(&sink.client), batch)
+                        if probe {
+                            sink.health.probe_sent(&batch);
+                        } else {
+                            sink.batch_limit = batch_limit(config.batch_size, &batch.events);
+                        }
+                        self.pool.submit(Arc::clone(&sink.client), batch, probe);
+                        if probe {
+                            break; // one probe at a time
+                        }
                     }
-                    Ok(None) => break,
+                    Ok(None) => {
+                        if probe {
+                            sink.health.probe_found_nothing(now);
+                        }
+                        break;
+                    }
                     Err(e) => {
                         note_error(name, sink, &format!("claim failed: {e}"));
-                        sink.paused_until = Some(now + Duration::from_secs(1));
+                        sink.claim_retry_at = Some(now + Duration::from_secs(1));
                         break;
                     }
                 }
@@ -257,43 +299,33 @@ impl Delivery {
         let Some(sink) = self.sinks.get_mut(&done.batch.sink) else {
             // disabled (or dropped) while the batch was out: still record what became of it,
             // so that it is not sent again when the sink comes back (a dropped sink's
-            // consumer is gone, and the statement fails harmlessly)
-            let _ = queries::settle(&done.batch, &done.outcome, Duration::ZERO);
+            // consumer is gone, and the statement fails harmlessly); its failures are not
+            // judged (no sink to judge them by): given back, unless something went through
+            let judgement = Health::default().judge(&done.batch, done.outcome, done.started, true);
+            let _ = queries::settle(&done.batch, &judgement);
             self.pool.forget(&done.batch.sink);
             return;
         };
         if let Some(metrics) = &self.metrics {
             metrics.observe_batch(&done.batch.sink, done.took);
         }
-        let pause = match &done.outcome {
-            Outcome::SinkDown { retry_after, .. } => {
-                // one step per pause, however many batches were out when the sink went down
-                if sink.paused_until.is_none_or(|t| t <= Instant::now()) {
-                    sink.down_streak += 1;
-                }
-                let backoff = Duration::from_millis(500)
-                    .saturating_mul(1 << sink.down_streak.min(16).saturating_sub(1))
-                    .min(MAX_PAUSE);
-                let pause = retry_after
-                    .unwrap_or(backoff)
-                    .min(Duration::from_secs(3600));
-                sink.paused_until = Some(Instant::now() + pause);
-                pause
-            }
-            Outcome::Events(_) => {
-                sink.down_streak = 0;
-                Duration::ZERO
-            }
-        };
+        let others_out = self.pool.in_flight(&done.batch.sink) > 0;
+        let judgement = sink
+            .health
+            .judge(&done.batch, done.outcome, done.started, others_out);
+        if sink.health.take_changed() {
+            health_changed(&done.batch.sink, sink, self.metrics.as_ref());
+            self.next_flush = Instant::now(); // outbox.status shows it at once
+        }
         let mut combined_failed = None;
-        let result = match &done.outcome {
+        let keeping_up = !self.stopping
+            && !stop_requested()
+            && sink.claim_retry_at.is_none()
+            && sink.health.claims(Instant::now(), 0) == Claims::Full
+            && self.pool.in_flight(&done.batch.sink) < sink.client.config.concurrency;
+        let result = match &judgement {
             // keeping up: settle and claim the sink's next batch in one transaction
-            Outcome::Events(verdicts)
-                if !self.stopping
-                    && !stop_requested()
-                    && sink.paused_until.is_none_or(|t| t <= Instant::now())
-                    && self.pool.in_flight(&done.batch.sink) < sink.client.config.concurrency =>
-            {
+            Judgement::Settle(verdicts) if keeping_up => {
                 let config = &sink.client.config;
                 queries::settle_and_claim(
                     &done.batch,
@@ -305,17 +337,17 @@ impl Delivery {
                 // its claim failing rolls its settle back: settle on its own then
                 .or_else(|e| {
                     combined_failed = Some(e);
-                    queries::settle(&done.batch, &done.outcome, pause).map(|s| (s, None))
+                    queries::settle(&done.batch, &judgement).map(|s| (s, None))
                 })
                 .map(|(settled, next)| {
                     if let Some(next) = next {
                         sink.batch_limit = batch_limit(config.batch_size, &next.events);
-                        self.pool.submit(Arc::clone(&sink.client), next);
+                        self.pool.submit(Arc::clone(&sink.client), next, false);
                     }
                     settled
                 })
             }
-            _ => queries::settle(&done.batch, &done.outcome, pause),
+            _ => queries::settle(&done.batch, &judgement),
         };
         if let Some(e) = combined_failed {
             let error = format!("settle_and_claim failed, settled on its own: {e}");
@@ -354,10 +386,17 @@ impl Delivery {
                 sink.recent.pop_front();
             }
             let mut f = std::mem::take(&mut sink.figures);
+            let mut health = queries::HealthRow::of(&sink.health);
+            health.suspensions = std::mem::take(&mut sink.new_suspensions);
+            f.health = Some(health);
+            let changed = std::mem::take(&mut sink.health_changed);
             f.per_second = sink.recent.iter().map(|(_, n)| *n).sum::<usize>() as f64
                 / RATE_WINDOW.as_secs_f64();
-            let idle =
-                f.delivered == 0 && f.failed == 0 && f.error.is_none() && f.per_second == 0.0;
+            let idle = f.delivered == 0
+                && f.failed == 0
+                && f.error.is_none()
+                && f.per_second == 0.0
+                && !changed;
             if !(idle && sink.flushed_idle) {
                 sink.flushed_idle = idle; // an idle sink's row is written once, not every 2 s
                 figures.insert(name.clone(), f);
@@ -396,6 +435,28 @@ fn batch_limit(batch_size: i32, events: &[crate::sinks::Event]) -> i32 {
         .sum();
     let per_event = (bytes / events.len().max(1)).max(1);
     ((BATCH_BYTES / per_event).max(1) as i32).min(batch_size)
+}
+
+/// Logs a sink's change of state once (not once per request) and tells the metrics.
+fn health_changed(name: &str, sink: &mut Sink, metrics: Option<&Metrics>) {
+    sink.health_changed = true;
+    if matches!(sink.health.state, State::Suspended(_)) {
+        sink.new_suspensions += 1;
+    }
+    match &sink.health.state {
+        State::Suspended(s) => warning!(
+            "outbox_ext: sink \"{name}\" suspended: {}; nothing is counted against its events \
+             while it is, and it is probed with one small batch every {:.1} s or so",
+            s.reason,
+            s.next_probe
+                .saturating_duration_since(Instant::now())
+                .as_secs_f64()
+        ),
+        State::Healthy => log!("outbox_ext: sink \"{name}\" resumed at full concurrency"),
+    }
+    if let Some(metrics) = metrics {
+        metrics.set_health(name, &sink.health);
+    }
 }
 
 /// Keeps the error for the sink's figures; logs it when it changes, or once a minute.

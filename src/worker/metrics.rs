@@ -8,9 +8,10 @@
 //! and failed totals). Labels are the database and the consumer (a sink's consumer has the
 //! sink's name); no URL, secret or other sink setting appears in them.
 
+use super::health::{Health, State};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
-use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
@@ -27,6 +28,16 @@ struct Labels {
     database: String,
     consumer: String,
 }
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    database: String,
+    consumer: String,
+    state: String,
+}
+
+/// The states outbox_sink_state has a series for (a disabled sink has none: it is gone).
+const STATES: [&str; 2] = ["healthy", "suspended"];
 
 /// One consumer's row of outbox.status, as the worker reads it (ages in seconds).
 #[derive(Debug, Deserialize)]
@@ -54,6 +65,8 @@ pub struct Metrics {
     database: String,
     delivery_seconds: Family<Labels, Histogram>,
     in_flight: Family<Labels, Gauge>,
+    sink_state: Family<StateLabels, Gauge>,
+    suspensions: Family<Labels, Counter>,
     status: Arc<Mutex<Snapshot>>,
     /// Set by each scrape: outbox.status is read again only for someone who looks.
     scraped: Arc<AtomicBool>,
@@ -90,6 +103,8 @@ impl Metrics {
                 Histogram::new(exponential_buckets(0.001, 2.0, 16)) // 1 ms .. 33 s
             }),
             in_flight: Family::default(),
+            sink_state: Family::default(),
+            suspensions: Family::default(),
             status: Arc::default(),
             scraped: Arc::new(AtomicBool::new(true)),
         };
@@ -124,6 +139,16 @@ impl Metrics {
             "Claimed batches out at the sink, not yet settled",
             self.in_flight.clone(),
         );
+        registry.register(
+            "outbox_sink_state",
+            "1 for the state the sink is in (healthy, or suspended: every request failed, nothing is counted against its events, it is probed), 0 for the other",
+            self.sink_state.clone(),
+        );
+        registry.register(
+            "outbox_sink_suspensions",
+            "Times the worker suspended the sink since it started",
+            self.suspensions.clone(),
+        );
         registry.register_collector(Box::new(StatusCollector {
             database: self.database.clone(),
             status: Arc::clone(&self.status),
@@ -150,10 +175,41 @@ impl Metrics {
             .set(batches as i64);
     }
 
+    /// The sink's state now; a suspension is counted.
+    pub fn set_health(&self, sink: &str, health: &Health) {
+        let now = match health.state {
+            State::Healthy => "healthy",
+            State::Suspended(_) => "suspended",
+        };
+        for state in STATES {
+            let labels = self.state_labels(sink, state);
+            self.sink_state
+                .get_or_create(&labels)
+                .set(i64::from(state == now));
+        }
+        let counter = self.suspensions.get_or_create(&self.labels(sink));
+        let counted = counter.get();
+        if health.suspensions > counted {
+            counter.inc_by(health.suspensions - counted);
+        }
+    }
+
+    fn state_labels(&self, consumer: &str, state: &str) -> StateLabels {
+        StateLabels {
+            database: self.database.clone(),
+            consumer: consumer.to_owned(),
+            state: state.to_owned(),
+        }
+    }
+
     /// A sink that is gone: its series go too.
     pub fn forget(&self, sink: &str) {
         self.delivery_seconds.remove(&self.labels(sink));
         self.in_flight.remove(&self.labels(sink));
+        self.suspensions.remove(&self.labels(sink));
+        for state in STATES {
+            self.sink_state.remove(&self.state_labels(sink, state));
+        }
     }
 
     /// Whether outbox.status is to be read again: someone scraped since the last refresh.

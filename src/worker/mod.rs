@@ -12,6 +12,7 @@
 //! ERROR in the log, and the launcher starts it again.
 
 mod dispatch;
+mod health;
 mod metrics;
 pub(crate) mod pool;
 mod queries;

@@ -6,7 +6,7 @@
 //! Each sink has threads of its own, as many as it has batches in flight (at most its
 //! `concurrency`): a sink that hangs holds only its own threads, never another sink's.
 
-use crate::sinks::{Client, Event, Outcome};
+use crate::sinks::{Client, Event, Outcome, Verdict};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
@@ -21,18 +21,23 @@ pub struct Batch {
     pub sink: String,
     pub shard: i32,
     pub epoch: i64,
+    /// No request of the batch may start that could outlast this (its lease, less a margin
+    /// for settling): a batch still out when its lease runs out could be overtaken.
+    pub deadline: Instant,
     pub events: Vec<Event>,
 }
 
 pub struct Done {
     pub batch: Batch,
     pub outcome: Outcome,
+    pub started: Instant,
     pub took: Duration,
 }
 
 struct Job {
     client: Arc<Client>,
     batch: Batch,
+    probe: bool,
 }
 
 pub struct Pool {
@@ -79,8 +84,9 @@ impl Pool {
         self.sinks.values().map(|s| s.in_flight).sum()
     }
 
-    /// Hands the batch to one of its sink's threads, starting one if all are busy.
-    pub fn submit(&mut self, client: Arc<Client>, batch: Batch) {
+    /// Hands the batch to one of its sink's threads, starting one if all are busy. A probe
+    /// (of a suspended sink) sends each event in a request of its own.
+    pub fn submit(&mut self, client: Arc<Client>, batch: Batch, probe: bool) {
         let sink = self.sinks.entry(batch.sink.clone()).or_insert_with(|| {
             let (jobs, queue) = channel();
             SinkThreads {
@@ -95,7 +101,11 @@ impl Pool {
             sink.threads += 1;
         }
         // the receiving end lives in sink.queue: sending cannot fail while it lives
-        let _ = sink.jobs.send(Job { client, batch });
+        let _ = sink.jobs.send(Job {
+            client,
+            batch,
+            probe,
+        });
     }
 
     /// A sink that is gone: its threads end once their batches are done (a hung request ends
@@ -144,14 +154,21 @@ fn deliver_loop(queue: &Mutex<Receiver<Job>>, done: &Sender<Done>, wake: &UnixSt
             }
         };
         let started = Instant::now();
-        let outcome = catch_unwind(AssertUnwindSafe(|| job.client.deliver(&job.batch.events)))
-            .unwrap_or_else(|_| Outcome::SinkDown {
+        let (batch, probe) = (&job.batch, job.probe);
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            job.client.deliver(&batch.events, batch.deadline, probe)
+        }))
+        .unwrap_or_else(|_| {
+            let unsent = Verdict::Unsent {
                 error: "internal error: a delivery thread panicked".into(),
                 retry_after: None,
-            });
+            };
+            Outcome::all(job.batch.events.len(), unsent)
+        });
         let finished = Done {
             batch: job.batch,
             outcome,
+            started,
             took: started.elapsed(),
         };
         if done.send(finished).is_err() {

@@ -9,14 +9,15 @@
 //! another role's object. Values that would need an operator (intervals, NULLs for "none")
 //! are computed here and bound as parameters instead.
 
+use super::health::{Health, Judgement, State};
 use super::pool::Batch;
 use super::session::in_transaction;
-use crate::sinks::{Config, Event, Kind, Outcome, Verdict};
+use crate::sinks::{Config, Event, Kind, Verdict};
 use pgrx::prelude::*;
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Who the worker's leases belong to: on start it takes back every lease of this name (only
 /// one worker serves a database, so any such lease is a dead worker's).
@@ -174,7 +175,7 @@ pub fn claim(config: &Config, batch_size: i32, lease: Duration) -> Result<Option
                     OWNER.into(),
                 ],
             )?;
-            Ok::<_, pgrx::spi::Error>(read_batch(&config.name, rows))
+            Ok::<_, pgrx::spi::Error>(read_batch(&config.name, lease, rows))
         })
     })?
     .map_err(|e| e.to_string())
@@ -209,7 +210,7 @@ pub fn settle_and_claim(
                     OWNER.into(),
                 ],
             )?;
-            Ok::<_, pgrx::spi::Error>((settled, read_batch(&config.name, rows)))
+            Ok::<_, pgrx::spi::Error>((settled, read_batch(&config.name, lease, rows)))
         })
     })?
     .map_err(|e| e.to_string())
@@ -224,11 +225,13 @@ const CLAIMED_TYPES: [pg_sys::Oid; 11] = {
     ]
 };
 
-/// The claimed rows (columns as CLAIMED) as a batch, or None for no rows. `rows` must be the
+/// The claimed rows (columns as CLAIMED) as a batch, or None for no rows; its deadline leaves
+/// a tenth of the lease for settling. `rows` must be the
 /// last result of SPI: each row is read straight from SPI's result with one deform, as
 /// pgrx's reads column by column (two guarded calls into PostgreSQL each, every column found
 /// from the row's start) took a fifth of the worker's time at batches of 1,000.
-fn read_batch(sink: &str, rows: pgrx::spi::SpiTupleTable) -> Option<Batch> {
+fn read_batch(sink: &str, lease: Duration, rows: pgrx::spi::SpiTupleTable) -> Option<Batch> {
+    let deadline = Instant::now() + lease.mul_f64(0.9);
     // SAFETY: SPI_tuptable and SPI_processed describe `rows`, the last statement's result
     // (nothing ran since); its columns are checked against CLAIMED_TYPES before any is read,
     // and every datum read is of the type checked.
@@ -261,6 +264,7 @@ fn read_batch(sink: &str, rows: pgrx::spi::SpiTupleTable) -> Option<Batch> {
                 sink: sink.to_owned(),
                 shard: i32::from_datum(values[0], nulls[0]).unwrap_or(-1),
                 epoch: i64::from_datum(values[1], nulls[1]).unwrap_or(-1),
+                deadline,
                 events: Vec::with_capacity(rows.len()),
             });
             batch.events.push(Event {
@@ -287,12 +291,12 @@ pub struct Settled {
     pub error: Option<String>,
 }
 
-/// Applies a finished batch's outcome in one transaction. A sink that was down gets the batch
-/// back (release) after `pause`; otherwise it is settled (outbox.settle).
-pub fn settle(batch: &Batch, outcome: &Outcome, pause: Duration) -> Result<Settled, String> {
+/// Applies a finished batch's judgement in one transaction: given back unattempted
+/// (outbox.release, no claim of its shard before `delay`), or settled (outbox.settle).
+pub fn settle(batch: &Batch, judgement: &Judgement) -> Result<Settled, String> {
     in_transaction(|| {
-        Spi::connect_mut(|client| match outcome {
-            Outcome::SinkDown { error, .. } => {
+        Spi::connect_mut(|client| match judgement {
+            Judgement::GiveBack { error, delay } => {
                 client.update(
                     "SELECT outbox.release($1, $2, $3, pg_catalog.make_interval(secs => $4))",
                     None,
@@ -300,16 +304,16 @@ pub fn settle(batch: &Batch, outcome: &Outcome, pause: Duration) -> Result<Settl
                         batch.sink.as_str().into(),
                         batch.shard.into(),
                         batch.epoch.into(),
-                        pause.as_secs_f64().into(),
+                        delay.as_secs_f64().into(),
                     ],
                 )?;
                 Ok(Settled {
                     delivered: 0,
-                    failed: batch.events.len(),
+                    failed: 0,
                     error: Some(error.clone()),
                 })
             }
-            Outcome::Events(verdicts) => {
+            Judgement::Settle(verdicts) => {
                 let (failures, settled) = failures(batch, verdicts);
                 client.update(
                     "SELECT outbox.settle($1, $2, $3, $4::jsonb)",
@@ -330,29 +334,38 @@ pub fn settle(batch: &Batch, outcome: &Outcome, pause: Duration) -> Result<Settl
 
 /// settle's failures (as JSON) from a batch's verdicts, with the figures they make. A sink
 /// sends no event of a key after one of it failed: its later events have failed verdicts too,
-/// which settle would keep back anyway.
+/// which settle would keep back anyway. An unsent event is reported `"attempted": false`: its
+/// key waits, in order, with no attempt counted.
 fn failures(batch: &Batch, verdicts: &[Verdict]) -> (String, Settled) {
     let mut failures = Vec::new();
     let mut settled = Settled::default();
+    let held_back = "held back behind an earlier event of its key".to_string();
     for (event, verdict) in batch.events.iter().zip(verdicts) {
-        let (message, retry_after, last) = match verdict {
+        let (message, retry_after, last, attempted) = match verdict {
             Verdict::Delivered => {
                 settled.delivered += 1;
                 continue;
             }
             Verdict::Skipped => continue, // not this sink's: settled as delivered, not counted
-            Verdict::Retry { error, retry_after } => (error, *retry_after, false),
-            Verdict::Reject { error } => (error, None, true),
+            Verdict::Retry { error, retry_after } => (error, *retry_after, false, true),
+            Verdict::Reject { error } | Verdict::Invalid { error } => (error, None, true, true),
+            Verdict::Unsent { error, retry_after } => (error, *retry_after, false, false),
+            Verdict::HeldBack => (&held_back, None, false, false),
         };
-        failures.push(serde_json::json!({
+        let mut failure = serde_json::json!({
             "id": event.id,
             "error": message,
             "retry_after": retry_after.map(|d| d.as_secs_f64()),
             "final": last,
-        }));
+        });
+        if !attempted {
+            failure["attempted"] = Value::Bool(false);
+        } else {
+            settled.failed += 1;
+        }
+        failures.push(failure);
         settled.error.get_or_insert_with(|| message.clone());
     }
-    settled.failed = failures.len();
     (Value::Array(failures).to_string(), settled)
 }
 
@@ -363,6 +376,42 @@ pub struct Figures {
     pub failed: u64,
     pub per_second: f64,
     pub error: Option<String>,
+    pub health: Option<HealthRow>,
+}
+
+/// A sink's state as outbox._sink_stats keeps it (times as Unix seconds).
+pub struct HealthRow {
+    state: &'static str,
+    reason: Option<String>,
+    since: Option<f64>,
+    next_probe_at: Option<f64>,
+    /// Suspensions since the last write.
+    pub suspensions: i64,
+}
+
+impl HealthRow {
+    pub fn of(health: &Health) -> HealthRow {
+        let unix = |t: SystemTime| {
+            t.duration_since(UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64())
+        };
+        match &health.state {
+            State::Healthy => HealthRow {
+                state: "healthy",
+                reason: None,
+                since: None,
+                next_probe_at: None,
+                suspensions: 0,
+            },
+            State::Suspended(s) => HealthRow {
+                state: "suspended",
+                reason: Some(s.reason.clone()),
+                since: Some(unix(s.since)),
+                next_probe_at: Some(unix(s.next_probe_at())),
+                suspensions: 0,
+            },
+        }
+    }
 }
 
 /// The transaction's start, as now() would give it.
@@ -374,15 +423,20 @@ fn now() -> pgrx::datum::TimestampWithTimeZone {
     })
 }
 
-/// Adds the figures to outbox._sink_stats (one small row per sink).
+/// Adds the figures to outbox._sink_stats (one small row per sink), with the sink's state.
+/// A suspension's times are bound as Unix seconds (to_timestamp) and NULL when healthy; the
+/// state's `since` is kept while it lasts.
 pub fn record_figures(figures: &HashMap<String, Figures>) -> Result<(), String> {
     in_transaction(|| {
         Spi::connect_mut(|client| {
             for (sink, f) in figures {
+                let health = f.health.as_ref();
                 client.update(
                     "INSERT INTO outbox._sink_stats AS s
-                         (sink, delivered, failed, per_second, last_delivered_at, last_error, last_error_at)
-                     SELECT $1, $2, $3, $4, $5, $6, $7
+                         (sink, delivered, failed, per_second, last_delivered_at, last_error, last_error_at,
+                          state, state_reason, state_since, next_probe_at, suspensions)
+                     SELECT $1, $2, $3, $4, $5, $6, $7, coalesce($8, 'healthy'), $9,
+                            pg_catalog.to_timestamp($10), pg_catalog.to_timestamp($11), coalesce($12, 0)
                       WHERE EXISTS (SELECT FROM outbox.sinks k WHERE k.name OPERATOR(pg_catalog.=) $1)
                      ON CONFLICT (sink) DO UPDATE
                         SET delivered = s.delivered OPERATOR(pg_catalog.+) EXCLUDED.delivered,
@@ -391,6 +445,11 @@ pub fn record_figures(figures: &HashMap<String, Figures>) -> Result<(), String> 
                             last_delivered_at = coalesce(EXCLUDED.last_delivered_at, s.last_delivered_at),
                             last_error = coalesce(EXCLUDED.last_error, s.last_error),
                             last_error_at = coalesce(EXCLUDED.last_error_at, s.last_error_at),
+                            state = EXCLUDED.state,
+                            state_reason = EXCLUDED.state_reason,
+                            state_since = EXCLUDED.state_since,
+                            next_probe_at = EXCLUDED.next_probe_at,
+                            suspensions = s.suspensions OPERATOR(pg_catalog.+) EXCLUDED.suspensions,
                             updated_at = pg_catalog.now()",
                     None,
                     &[
@@ -401,6 +460,11 @@ pub fn record_figures(figures: &HashMap<String, Figures>) -> Result<(), String> 
                         (f.delivered > 0).then(now).into(),
                         f.error.clone().into(),
                         f.error.as_ref().map(|_| now()).into(),
+                        health.map(|h| h.state).into(),
+                        health.and_then(|h| h.reason.clone()).into(),
+                        health.and_then(|h| h.since).into(),
+                        health.and_then(|h| h.next_probe_at).into(),
+                        health.map(|h| h.suspensions).into(),
                     ],
                 )?;
             }

@@ -1,0 +1,270 @@
+-- outbox_ext 0.21.0 -> 0.22.0
+--
+-- Why: a sink's own failure (an expired credential, a deploy answering 5xx, a rate limit, a topic
+-- not made yet) was blamed on its events, which were dead-lettered; a replay then broke per-key
+-- order. The worker now judges failures by evidence (src/worker/health.rs): a failure counts
+-- against an event only when the sink is shown healthy for other events; otherwise the batch is
+-- given back unattempted and the sink suspended and probed. For that, settle takes failures that
+-- were not attempted ("attempted": false: the key waits, no attempt counted); the worker records
+-- each sink's state in outbox._sink_stats and outbox.status shows it, with every undelivered
+-- event counted (undelivered); admins pause and resume sinks with pause_sink / resume_sink.
+--
+-- A delta: what changed from 0.21.0 to 0.22.0, rerunnable. Released: never edit it.
+\echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.22.0'" to load this file. \quit
+
+DO $type$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a
+                    WHERE a.attrelid OPERATOR(pg_catalog.=) 'outbox_internal._failure'::pg_catalog.regclass
+                      AND a.attname OPERATOR(pg_catalog.=) 'attempted' AND NOT a.attisdropped) THEN
+        ALTER TYPE outbox_internal._failure ADD ATTRIBUTE attempted boolean;
+    END IF;
+END
+$type$;
+
+ALTER TABLE outbox._sink_stats
+    ADD COLUMN IF NOT EXISTS state         text        NOT NULL DEFAULT 'healthy',
+    ADD COLUMN IF NOT EXISTS state_reason  text,
+    ADD COLUMN IF NOT EXISTS state_since   timestamptz,
+    ADD COLUMN IF NOT EXISTS next_probe_at timestamptz,
+    ADD COLUMN IF NOT EXISTS suspensions   bigint      NOT NULL DEFAULT 0;
+
+-- settle's failures argument, a JSON array of {"id", "error", "retry_after", "final",
+-- "attempted"}: checked, as unresolved failures. retry_after is a number of seconds or an
+-- interval's text; attempted (default true) false for an event the sink never judged.
+CREATE OR REPLACE FUNCTION outbox_internal._failures(failures jsonb) RETURNS outbox_internal._failure[]
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    i    int := 0;
+    f    jsonb;
+    one  outbox_internal._failure;
+    list outbox_internal._failure[] := '{}';
+BEGIN
+    IF jsonb_typeof(failures) IS DISTINCT FROM 'array' THEN
+        RAISE EXCEPTION 'failures must be a JSON array'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass ''[]'' when every event was delivered.';
+    ELSIF jsonb_array_length(failures) = 0 THEN
+        RETURN list;  -- the common case, without the subtransaction below
+    END IF;
+    BEGIN
+        FOR f IN SELECT jsonb_array_elements(failures) LOOP
+            i := i + 1;
+            IF jsonb_typeof(f) <> 'object' OR f ->> 'id' IS NULL
+               OR f - ARRAY['id', 'error', 'retry_after', 'final', 'attempted'] <> '{}' THEN
+                RAISE EXCEPTION 'not an object with an id and nothing but error, retry_after, final and attempted'
+                    USING ERRCODE = 'invalid_parameter_value';
+            END IF;
+            one.event_id := (f ->> 'id')::uuid;
+            one.error := f ->> 'error';
+            one.retry_after := CASE jsonb_typeof(f -> 'retry_after')
+                                   WHEN 'number' THEN make_interval(secs => (f ->> 'retry_after')::float8)
+                                   ELSE (f ->> 'retry_after')::interval END;
+            one.final := coalesce((f -> 'final')::boolean, false);
+            one.attempted := coalesce((f -> 'attempted')::boolean, true);
+            IF one.final AND NOT one.attempted THEN
+                RAISE EXCEPTION 'a failure not attempted cannot be final'
+                    USING ERRCODE = 'invalid_parameter_value';
+            END IF;
+            PERFORM outbox_internal._check_failure(one.event_id, one.retry_after);
+            list := list || one;
+        END LOOP;
+    EXCEPTION WHEN data_exception THEN  -- a bad uuid, interval or boolean, or the checks above
+        RAISE EXCEPTION 'failure % of failures is invalid: %', i, SQLERRM
+            USING ERRCODE = 'invalid_parameter_value',
+                  DETAIL = format('It is %s.', f),
+                  HINT = 'A failure is {"id": "<event id>", "error": "<text>", "retry_after": '
+                         '<seconds or interval text, optional>, "final": <true to dead-letter it now, optional>, '
+                         '"attempted": <false when the sink never judged it, optional>}.';
+    END;
+    RETURN list;
+END
+$$;
+
+-- The head of a parked key was not attempted (the sink throttled, lacked its topic, ran out of
+-- time): nothing is counted and nothing dead-lettered; the retry is scheduled as if the
+-- current attempt had failed.
+CREATE OR REPLACE FUNCTION outbox_internal._head_waits(c outbox.consumers, key text, error text,
+                                              retry_after interval, epoch bigint) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    UPDATE outbox._parked p
+       SET last_error = error, nacked_epoch = epoch,
+           next_attempt_at = now() + coalesce(retry_after, outbox_internal._backoff(c, greatest(p.attempts, 1)))
+     WHERE p.consumer_id = c.id AND p.aggregate_id = key;
+END
+$$;
+
+-- Record a key's failure, f being its first failed event in the batch. A head counts a failed
+-- attempt of its queue (not when f was not attempted: then it only waits). An event of the
+-- window parks its key: it and the key's later events of the batch are queued, in order.
+-- Returns how many events of the batch this kept back.
+-- A failure of the key reported earlier for this batch (nack, reject) already queued or
+-- dead-lettered its events from some point on: reported again from there or after, nothing
+-- changes; from before it, the events in between would be acked unsent, so that is refused.
+CREATE OR REPLACE FUNCTION outbox_internal._fail_key(c outbox.consumers, cur outbox._cursor_log,
+                                            batch outbox.events[], f outbox_internal._failure) RETURNS int
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    later       outbox.events[];
+    parked      int;
+    key_events  uuid[];
+    failed_from bigint;
+BEGIN
+    IF NOT f.head THEN
+        key_events := ARRAY(SELECT b.id FROM unnest(batch) b WHERE b.aggregate_id = f.aggregate_id);
+        failed_from := least(
+            (SELECT min(q.seq) FROM outbox._parked_events q
+              WHERE q.consumer_id = c.id AND q.aggregate_id = f.aggregate_id AND q.id = ANY (key_events)),
+            (SELECT min(d.seq) FROM outbox.dead_letters d
+              WHERE d.consumer = c.name AND d.aggregate_id = f.aggregate_id AND d.event_id = ANY (key_events)));
+        IF f.seq < failed_from THEN
+            RAISE EXCEPTION 'event % comes before an event of its key already reported failed in this batch',
+                    f.event_id
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'Report a key''s failures in batch order, or all at once with outbox.settle.';
+        ELSIF failed_from IS NOT NULL THEN
+            RETURN 0;  -- the key failed in this batch already, from this event or before it
+        END IF;
+        INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+        VALUES (c.id, f.aggregate_id, cur.shard, now())
+        ON CONFLICT DO NOTHING;
+        GET DIAGNOSTICS parked = ROW_COUNT;
+        later := ARRAY(SELECT b FROM unnest(batch) b
+                        WHERE b.aggregate_id = f.aggregate_id AND b.seq >= f.seq ORDER BY b.seq);
+        PERFORM outbox_internal._queue_parked(c.id, later);
+        IF parked = 0 THEN
+            RETURN cardinality(later);  -- parked meanwhile (a replay): they wait behind its queue
+        END IF;
+    END IF;
+    IF f.attempted IS FALSE THEN
+        PERFORM outbox_internal._head_waits(c, f.aggregate_id, f.error, f.retry_after, cur.epoch);
+    ELSE
+        PERFORM outbox_internal._head_failed(c, f.aggregate_id, f.error, f.retry_after, cur.epoch, f.final);
+    END IF;
+    RETURN CASE WHEN f.head THEN 1 ELSE cardinality(later) END;
+END
+$$;
+
+-- nack and reject: one event failed; the batch stays out until settle or ack.
+CREATE OR REPLACE FUNCTION outbox_internal._fail(consumer text, shard int, epoch bigint, event_id uuid, error text,
+                                        retry_after interval, final boolean) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    c     outbox.consumers := outbox_internal._consumer(consumer);
+    cur   outbox._cursor_log;
+    batch outbox.events[];
+    f     outbox_internal._failure := ROW(event_id, NULL, NULL, NULL, error, retry_after, final, true);
+BEGIN
+    PERFORM outbox_internal._check_failure(event_id, retry_after);
+    cur := outbox_internal._leased(c.id, shard, epoch);
+    batch := CASE WHEN event_id = ANY (cur.heads) THEN '{}' ELSE outbox_internal._batch(cur) END;
+    f := outbox_internal._resolve(c, cur, batch, f);
+    IF f.aggregate_id IS NOT NULL THEN
+        PERFORM outbox_internal._fail_key(c, cur, batch, f);
+    END IF;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.settle(text, int, bigint, jsonb) IS
+    'Finishes a claimed batch in one call. failures lists the events that failed, as a JSON array '
+    'of {"id", "error", "retry_after" (seconds or interval text, optional), "final" (true: '
+    'dead-letter now), "attempted" (false: not sent, e.g. the sink throttled; no attempt is '
+    'counted)}; a failed key''s later events in the batch wait behind it, in order, '
+    'whatever was said of them; every other event counts as delivered and the shard moves on. '
+    'Returns how many events were kept back. Example: SELECT outbox.settle(''hook'', 3, 17, '
+    '''[{"id": "0190...", "error": "HTTP 503", "retry_after": 30}]'');';
+
+-- By hand: an admin stops a sink's deliveries (enabled = false: the worker lets go of it; batches
+-- out are settled as they come back) and starts them again. Resuming also ends a suspension at
+-- once: the worker starts afresh with a changed row (updated_at), without waiting for a probe.
+-- With the caller's rights, like create_sink: the UPDATE needs outbox_admin's.
+CREATE OR REPLACE FUNCTION outbox.pause_sink(name text) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    UPDATE outbox.sinks s SET enabled = false WHERE s.name OPERATOR(pg_catalog.=) pause_sink.name;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'sink "%" does not exist', name
+            USING ERRCODE = 'undefined_object', HINT = 'SELECT name FROM outbox.sinks lists them.';
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION outbox.pause_sink(text) IS
+    'Stops the worker delivering to the sink (its events wait; outbox.status shows it '
+    'disabled) until outbox.resume_sink. Example: SELECT outbox.pause_sink(''billing'');';
+
+CREATE OR REPLACE FUNCTION outbox.resume_sink(name text) RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- always an update, enabled or not: a new updated_at makes the worker start afresh
+    UPDATE outbox.sinks s SET enabled = true WHERE s.name OPERATOR(pg_catalog.=) resume_sink.name;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'sink "%" does not exist', name
+            USING ERRCODE = 'undefined_object', HINT = 'SELECT name FROM outbox.sinks lists them.';
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION outbox.resume_sink(text) IS
+    'Starts delivering to a paused sink again; on a suspended sink, ends the suspension and '
+    'delivers at once (e.g. after fixing what made every request fail). '
+    'Example: SELECT outbox.resume_sink(''billing'');';
+
+CREATE OR REPLACE VIEW outbox.status AS
+SELECT s.consumer,
+       sum(s.pending)::bigint AS pending,
+       min(s.oldest_pending_at) AS oldest_pending_at,
+       now() - min(s.oldest_pending_at) AS lag,
+       sum(s.parked_keys)::bigint AS parked_keys,
+       (SELECT count(*) FROM outbox._parked_events q JOIN outbox.consumers c ON c.id = q.consumer_id
+         WHERE c.name = s.consumer) AS parked_events,
+       (SELECT count(*) FROM outbox.dead_letters d WHERE d.consumer = s.consumer) AS dead_letters,
+       coalesce((SELECT p.last_error FROM outbox._parked p JOIN outbox.consumers c ON c.id = p.consumer_id
+                  WHERE c.name = s.consumer ORDER BY p.parked_at DESC LIMIT 1),
+                (SELECT d.last_error FROM outbox.dead_letters d WHERE d.consumer = s.consumer
+                  ORDER BY d.id DESC LIMIT 1)) AS last_error,
+       count(s.leased_by) AS shards_leased,
+       max(s.last_activity) AS last_activity,
+       (SELECT count(*) FROM outbox.events_default) AS events_in_default_partition,
+       k.kind AS sink_kind,
+       k.enabled AS sink_enabled,
+       -- the worker's figures (outbox._sink_stats), written every two seconds while it runs
+       CASE WHEN st.updated_at > now() - interval '10 seconds' THEN st.per_second ELSE 0 END
+           AS delivered_per_second,
+       st.delivered AS delivered_total,
+       st.failed AS failed_total,
+       st.last_delivered_at,
+       st.last_error AS last_sink_error,
+       st.last_error_at AS last_sink_error_at,
+       -- every event not yet delivered: pending in the log, and waiting behind parked keys
+       sum(s.pending)::bigint
+           + (SELECT count(*) FROM outbox._parked_events q JOIN outbox.consumers c ON c.id = q.consumer_id
+               WHERE c.name = s.consumer) AS undelivered,
+       -- the sink's health (src/worker/health.rs), as the worker last wrote it
+       CASE WHEN k.name IS NULL THEN NULL
+            WHEN NOT k.enabled THEN 'disabled'
+            ELSE coalesce(st.state, 'healthy') END AS sink_state,
+       CASE WHEN k.enabled THEN st.state_reason END AS sink_state_reason,
+       CASE WHEN k.enabled THEN st.state_since END AS sink_state_since,
+       CASE WHEN k.enabled THEN st.next_probe_at END AS sink_next_probe_at,
+       st.suspensions AS sink_suspensions
+  FROM outbox.shard_status s
+  LEFT JOIN outbox.sinks k ON k.name = s.consumer
+  LEFT JOIN outbox._sink_stats st ON st.sink = s.consumer
+ GROUP BY s.consumer, k.name, st.sink;
+COMMENT ON VIEW outbox.status IS
+    'One row per consumer (a sink is one): pending events and lag, parked keys and events, dead '
+    'letters, the last error, leased shards, events waiting in the default partition '
+    '(outbox.maintain() moves them), for a sink the worker''s delivery rate and last error, '
+    'every event not yet delivered (undelivered: watch this one), and the sink''s state '
+    '(healthy, suspended with its reason, since and next probe, or disabled). '
+    'Example: SELECT consumer, undelivered, lag, dead_letters, sink_state, sink_state_reason FROM outbox.status;';
+
+REVOKE ALL ON FUNCTION outbox_internal._head_waits(outbox.consumers, text, text, interval, bigint) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.pause_sink(text), outbox.resume_sink(text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.pause_sink(text), outbox.resume_sink(text) TO outbox_admin;

@@ -1,0 +1,533 @@
+//! Sink health: whether a failure is the event's fault or the sink's, judged from evidence.
+//!
+//! A sink is `healthy` or `suspended` (an admin's `outbox.pause_sink` makes it `disabled`,
+//! which the worker sees as the sink being gone). A failed request counts against its events
+//! (an attempt spent, a key parked, at last a dead letter) only when the sink is shown healthy
+//! for other events:
+//! - some request of the same batch was delivered (a partial success), or
+//! - a request of the sink that started after the failed one delivered something, or
+//! - the sink delivered something since this event last failed (its earlier failure was
+//!   remembered here), or
+//! - the failed request carried one key's events, the sink answered it as about those events
+//!   (a 5xx, 408 or 4xx other than 401/403/404/407/410/429), delivered other events within
+//!   the last 30 s, and no other key has failed since: a poisoned key on a sink that is
+//!   otherwise idle is still dead-lettered. (One key's events failing alone within 30 s of a
+//!   success is all that tells the two apart; a sink with a single key in flight can so have
+//!   its attempts counted in the first 30 s of an outage.)
+//!
+//! An event the sink refused beyond doubt (`Verdict::Invalid`: too large, a topic name Kafka
+//! refuses) is dead-lettered whatever the sink's health.
+//!
+//! Otherwise the batch is given back unattempted (`outbox.release`): nothing is counted,
+//! parked or dead-lettered, however long the failure lasts. When no other batch of the sink
+//! is out to tell otherwise, the sink is suspended: no claims but one probe at a time, a
+//! small batch sent one event per request, on a backoff (0.5 s doubling to 30 s, or the
+//! sink's Retry-After clamped to 0.1 s .. 5 min). The first probe that delivers anything
+//! resumes the sink at full concurrency; its failed events are then blamed as usual.
+//!
+//! What the sinks say of a failure is a hint only: `Verdict::Unsent` (throttling, a topic the
+//! cluster lacks, a credential it refuses, no report in time) is never counted, even on a
+//! healthy sink; its key waits, in order, without an attempt.
+//!
+//! Example: a receiver answering 401 to everything gets every batch back and the sink
+//! suspended; `outbox.status` shows `sink_state = 'suspended'` with the 401 as the reason;
+//! once the credential is fixed (`UPDATE outbox.sinks SET http_headers = ...`) the worker
+//! starts afresh and delivers at once.
+
+use super::pool::Batch;
+use crate::sinks::{Outcome, Verdict};
+use std::collections::HashMap;
+use std::time::{Duration, Instant, SystemTime};
+
+/// The first probe of a suspended sink comes after this; each failed probe doubles it.
+const FIRST_PROBE: Duration = Duration::from_millis(500);
+const MAX_PROBE_DELAY: Duration = Duration::from_secs(30);
+/// A Retry-After is honoured within these bounds.
+const RETRY_AFTER_MIN: Duration = Duration::from_millis(100);
+const RETRY_AFTER_MAX: Duration = Duration::from_secs(300);
+/// A batch given back while other batches of the healthy sink are out waits this long.
+const GIVE_BACK_DELAY: Duration = Duration::from_secs(1);
+/// A probe claims at most this many events, and sends each in a request of its own.
+pub const PROBE_EVENTS: i32 = 10;
+/// Failures remembered per sink (the oldest are forgotten first).
+const SUSPECTS_MAX: usize = 10_000;
+/// A lone key failing within this of the sink's last success is taken to be at fault.
+const LONE_KEY_WINDOW: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum State {
+    Healthy,
+    Suspended(Suspension),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Suspension {
+    pub reason: String,
+    pub since: SystemTime,
+    pub next_probe: Instant,
+    delay: Duration,
+}
+
+impl Suspension {
+    /// When the next probe goes, as a wall-clock time (for outbox.status).
+    pub fn next_probe_at(&self) -> SystemTime {
+        let left = self.next_probe.saturating_duration_since(Instant::now());
+        SystemTime::now() + left
+    }
+}
+
+/// What to do with a finished batch.
+#[derive(Debug, PartialEq)]
+pub enum Judgement {
+    /// Settle it with these verdicts: its failures are the events' (or, unsent, nobody's).
+    Settle(Vec<Verdict>),
+    /// Give it back unattempted; its shard is not claimed again before `delay`.
+    GiveBack { error: String, delay: Duration },
+}
+
+/// What the worker may claim for the sink now.
+#[derive(Debug, PartialEq)]
+pub enum Claims {
+    Full,
+    /// One probe batch (PROBE_EVENTS, one event per request).
+    Probe,
+    None,
+}
+
+#[derive(Debug)]
+pub struct Health {
+    pub state: State,
+    /// When the newest request that delivered something started, and when it was judged.
+    last_success_start: Option<Instant>,
+    last_success_at: Option<Instant>,
+    /// Keys whose failures were not blamed on them since the last success.
+    failing_keys: Vec<String>,
+    /// Events that failed, and when: the sink delivering anything since shows the next
+    /// failure of the same event to be the event's.
+    suspects: HashMap<String, Instant>,
+    /// The probe out: (shard, epoch).
+    probe: Option<(i32, i64)>,
+    /// A throttling sink: no new claims before this.
+    slowed_until: Option<Instant>,
+    /// Suspensions so far (for the metrics).
+    pub suspensions: u64,
+    /// The state changed since the last call of `take_changed` (to be written and logged).
+    changed: bool,
+}
+
+impl Default for Health {
+    fn default() -> Health {
+        Health {
+            state: State::Healthy,
+            last_success_start: None,
+            last_success_at: None,
+            failing_keys: Vec::new(),
+            suspects: HashMap::new(),
+            probe: None,
+            slowed_until: None,
+            suspensions: 0,
+            changed: false,
+        }
+    }
+}
+
+impl Health {
+    /// The sink's row changed (a credential fixed, a URL moved): start afresh, at full
+    /// concurrency, keeping only the count of suspensions.
+    pub fn reset(&mut self) {
+        if self.state != State::Healthy {
+            self.changed = true;
+        }
+        *self = Health {
+            suspensions: self.suspensions,
+            changed: self.changed,
+            ..Health::default()
+        };
+    }
+
+    pub fn claims(&self, now: Instant, in_flight: usize) -> Claims {
+        match &self.state {
+            State::Healthy if self.slowed_until.is_some_and(|t| t > now) => Claims::None,
+            State::Healthy => Claims::Full,
+            State::Suspended(s)
+                if s.next_probe <= now && in_flight == 0 && self.probe.is_none() =>
+            {
+                Claims::Probe
+            }
+            State::Suspended(_) => Claims::None,
+        }
+    }
+
+    /// When the worker should look again at a sink that may not claim now.
+    pub fn wake_at(&self) -> Option<Instant> {
+        match &self.state {
+            State::Suspended(s) => Some(s.next_probe),
+            State::Healthy => self.slowed_until,
+        }
+    }
+
+    pub fn probe_sent(&mut self, batch: &Batch) {
+        self.probe = Some((batch.shard, batch.epoch));
+    }
+
+    /// No probe could be claimed (nothing to deliver): try again after the same delay.
+    pub fn probe_found_nothing(&mut self, now: Instant) {
+        if let State::Suspended(s) = &mut self.state {
+            s.next_probe = now + s.delay;
+        }
+    }
+
+    pub fn is_probe(&self, batch: &Batch) -> bool {
+        self.probe == Some((batch.shard, batch.epoch))
+    }
+
+    /// Judges a finished batch: `started` is when its delivery began, `others_out` whether
+    /// other batches of the sink are still out (their outcome will tell more).
+    pub fn judge(
+        &mut self,
+        batch: &Batch,
+        outcome: Outcome,
+        started: Instant,
+        others_out: bool,
+    ) -> Judgement {
+        let now = Instant::now();
+        let was_probe = self.is_probe(batch);
+        if was_probe {
+            self.probe = None;
+        }
+        let verdicts = match outcome {
+            Outcome::Events(verdicts) => verdicts,
+            Outcome::SinkDown { error, retry_after } => {
+                let ids: Vec<&str> = batch.events.iter().map(|e| e.id.as_str()).collect();
+                let healthy = self.shown_healthy(started, &ids);
+                self.remember(&ids, now);
+                if healthy {
+                    let retry = Verdict::Retry { error, retry_after };
+                    return Judgement::Settle(vec![retry; batch.events.len()]);
+                }
+                self.not_blamed(batch.events.iter().map(|e| e.aggregate_id.as_str()));
+                return self.give_back(error, retry_after, others_out, was_probe, now);
+            }
+        };
+        // what the sink said of each key's first failure (a held-back event says nothing)
+        let said: Vec<(&crate::sinks::Event, &Verdict)> = (batch.events.iter().zip(&verdicts))
+            .filter(|(_, v)| v.is_failure() && **v != Verdict::HeldBack)
+            .collect();
+        let failed: Vec<&str> = said.iter().map(|(e, _)| e.id.as_str()).collect();
+        if verdicts.contains(&Verdict::Delivered) {
+            self.delivered(started, now);
+            self.remember(&failed, now);
+            if let Some(retry_after) = verdicts.iter().find_map(unsent_retry_after) {
+                // throttled partway: what went through is acked, the rest waits uncounted
+                let pause = retry_after.map_or(GIVE_BACK_DELAY, clamp_retry_after);
+                self.slowed_until = Some(now + pause);
+            }
+            return Judgement::Settle(verdicts);
+        }
+        let Some((error, retry_after)) = said.iter().find_map(|(_, v)| failure(v)) else {
+            return Judgement::Settle(verdicts); // nothing failed (all skipped by routing)
+        };
+        let certain = said
+            .iter()
+            .all(|(_, v)| matches!(v, Verdict::Invalid { .. }));
+        let healthy =
+            certain || self.shown_healthy(started, &failed) || self.lone_key_failing(&said, now);
+        self.remember(&failed, now);
+        if healthy {
+            return Judgement::Settle(verdicts);
+        }
+        self.not_blamed(said.iter().map(|(e, _)| e.aggregate_id.as_str()));
+        self.give_back(error, retry_after, others_out, was_probe, now)
+    }
+
+    /// One key's events failed, answered as about them, soon after a success, and no other
+    /// key has failed since: the key is poisoned, not the sink down.
+    fn lone_key_failing(&self, said: &[(&crate::sinks::Event, &Verdict)], now: Instant) -> bool {
+        let Some((first, _)) = said.first() else {
+            return false;
+        };
+        let key = first.aggregate_id.as_str();
+        let about_the_event =
+            |v: &Verdict| matches!(v, Verdict::Retry { .. } | Verdict::Reject { .. });
+        said.iter()
+            .all(|(e, v)| e.aggregate_id == key && about_the_event(v))
+            && self.failing_keys.iter().all(|k| k == key)
+            && self
+                .last_success_at
+                .is_some_and(|t| now.duration_since(t) < LONE_KEY_WINDOW)
+    }
+
+    fn not_blamed<'a>(&mut self, keys: impl Iterator<Item = &'a str>) {
+        for key in keys {
+            if self.failing_keys.len() < 2 && !self.failing_keys.iter().any(|k| k == key) {
+                self.failing_keys.push(key.to_owned()); // two are enough to say "not one key"
+            }
+        }
+    }
+
+    /// Whether a request started after `started` delivered, or the sink delivered since one
+    /// of these events last failed.
+    fn shown_healthy(&self, started: Instant, ids: &[&str]) -> bool {
+        let Some(success) = self.last_success_start else {
+            return false;
+        };
+        success > started
+            || ids
+                .iter()
+                .any(|id| self.suspects.get(*id).is_some_and(|&at| success > at))
+    }
+
+    fn remember(&mut self, ids: &[&str], now: Instant) {
+        if self.suspects.len() + ids.len() > SUSPECTS_MAX {
+            self.suspects.clear(); // forgetting only delays a verdict: nothing is blamed wrongly
+        }
+        for id in ids {
+            self.suspects.insert((*id).to_owned(), now);
+        }
+    }
+
+    fn delivered(&mut self, started: Instant, now: Instant) {
+        if self.last_success_start.is_none_or(|t| t < started) {
+            self.last_success_start = Some(started);
+        }
+        self.last_success_at = Some(now);
+        self.failing_keys.clear();
+        if self.slowed_until.is_some_and(|t| t <= now) {
+            self.slowed_until = None;
+        }
+        if matches!(self.state, State::Suspended(_)) {
+            self.state = State::Healthy;
+            self.probe = None;
+            self.changed = true;
+        }
+    }
+
+    fn give_back(
+        &mut self,
+        error: String,
+        retry_after: Option<Duration>,
+        others_out: bool,
+        was_probe: bool,
+        now: Instant,
+    ) -> Judgement {
+        let delay = match &mut self.state {
+            State::Suspended(s) => {
+                if was_probe {
+                    s.delay =
+                        retry_after.map_or((s.delay * 2).min(MAX_PROBE_DELAY), clamp_retry_after);
+                    s.next_probe = now + s.delay;
+                    s.reason = error.clone();
+                }
+                s.next_probe.saturating_duration_since(now)
+            }
+            State::Healthy if others_out => GIVE_BACK_DELAY,
+            State::Healthy => {
+                let delay = retry_after.map_or(FIRST_PROBE, clamp_retry_after);
+                self.state = State::Suspended(Suspension {
+                    reason: error.clone(),
+                    since: SystemTime::now(),
+                    next_probe: now + delay,
+                    delay,
+                });
+                self.suspensions += 1;
+                self.changed = true;
+                delay
+            }
+        };
+        Judgement::GiveBack { error, delay }
+    }
+
+    /// Whether the state changed since the last call (then it is written and logged once).
+    pub fn take_changed(&mut self) -> bool {
+        std::mem::take(&mut self.changed)
+    }
+}
+
+fn clamp_retry_after(d: Duration) -> Duration {
+    d.clamp(RETRY_AFTER_MIN, RETRY_AFTER_MAX)
+}
+
+fn unsent_retry_after(v: &Verdict) -> Option<Option<Duration>> {
+    match v {
+        Verdict::Unsent { retry_after, .. } => Some(*retry_after),
+        _ => None,
+    }
+}
+
+fn failure(v: &Verdict) -> Option<(String, Option<Duration>)> {
+    match v {
+        Verdict::Retry { error, retry_after } | Verdict::Unsent { error, retry_after } => {
+            Some((error.clone(), *retry_after))
+        }
+        Verdict::Reject { error } | Verdict::Invalid { error } => Some((error.clone(), None)),
+        Verdict::Delivered | Verdict::Skipped | Verdict::HeldBack => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sinks::test_event;
+
+    fn batch(shard: i32, ids: &[&str]) -> Batch {
+        Batch {
+            sink: "s".into(),
+            shard,
+            epoch: 1,
+            deadline: Instant::now() + Duration::from_secs(60),
+            events: ids
+                .iter()
+                .map(|id| crate::sinks::Event {
+                    id: (*id).into(),
+                    ..test_event(id)
+                })
+                .collect(),
+        }
+    }
+
+    fn failed(n: usize) -> Outcome {
+        let retry = Verdict::Retry {
+            error: "HTTP 500".into(),
+            retry_after: None,
+        };
+        Outcome::all(n, retry)
+    }
+
+    fn gave_back(j: &Judgement) -> bool {
+        matches!(j, Judgement::GiveBack { .. })
+    }
+
+    #[test]
+    fn every_request_failing_suspends_the_sink_and_blames_nothing() {
+        let mut h = Health::default();
+        let t0 = Instant::now();
+        for round in 0..5 {
+            let j = h.judge(&batch(round, &["a", "b"]), failed(2), t0, false);
+            assert!(gave_back(&j), "round {round}: {j:?}");
+        }
+        assert!(matches!(h.state, State::Suspended(_)));
+        assert_eq!(
+            h.suspensions, 1,
+            "one suspension, however many batches fail"
+        );
+        assert_eq!(
+            h.claims(Instant::now(), 0),
+            Claims::None,
+            "no claim before the probe"
+        );
+    }
+
+    #[test]
+    fn a_failure_beside_a_later_success_is_the_events() {
+        let mut h = Health::default();
+        let poisoned_start = Instant::now();
+        let later = poisoned_start + Duration::from_millis(1);
+        let ok = Outcome::all(1, Verdict::Delivered);
+        assert!(matches!(
+            h.judge(&batch(1, &["x"]), ok, later, true),
+            Judgement::Settle(_)
+        ));
+        let j = h.judge(&batch(2, &["p"]), failed(1), poisoned_start, false);
+        assert!(matches!(j, Judgement::Settle(_)), "{j:?}");
+    }
+
+    #[test]
+    fn a_success_that_started_before_the_failure_proves_nothing_until_the_event_fails_again() {
+        let mut h = Health::default();
+        let t0 = Instant::now();
+        let ok = Outcome::all(1, Verdict::Delivered);
+        let down = || Outcome::SinkDown {
+            error: "HTTP 401".into(),
+            retry_after: None,
+        };
+        h.judge(&batch(1, &["x"]), ok.clone(), t0, true);
+        let j = h.judge(
+            &batch(2, &["p"]),
+            down(),
+            t0 + Duration::from_millis(1),
+            true,
+        );
+        assert!(
+            gave_back(&j),
+            "the outage may have begun after x's request: {j:?}"
+        );
+        // the sink delivers other events after p's failure: p's next failure is p's
+        h.judge(&batch(3, &["y"]), ok, Instant::now(), true);
+        let j = h.judge(&batch(2, &["p"]), down(), Instant::now(), false);
+        assert!(matches!(j, Judgement::Settle(_)), "{j:?}");
+    }
+
+    #[test]
+    fn a_lone_key_failing_soon_after_a_success_is_the_keys_but_two_keys_are_not() {
+        let mut h = Health::default();
+        let t0 = Instant::now();
+        h.judge(
+            &batch(1, &["x"]),
+            Outcome::all(1, Verdict::Delivered),
+            t0,
+            false,
+        );
+        let later = t0 + Duration::from_millis(1);
+        let j = h.judge(&batch(2, &["a", "b"]), failed(2), later, false);
+        assert!(
+            gave_back(&j),
+            "two keys failing together: the sink, as far as we know"
+        );
+        let j = h.judge(&batch(3, &["a"]), failed(1), later, false);
+        assert!(
+            gave_back(&j),
+            "another key failed since the last success: {j:?}"
+        );
+    }
+
+    #[test]
+    fn a_probe_that_delivers_resumes_the_sink_and_one_that_fails_backs_off() {
+        let mut h = Health::default();
+        h.judge(&batch(1, &["a"]), failed(1), Instant::now(), false);
+        let State::Suspended(first) = h.state.clone() else {
+            panic!("not suspended")
+        };
+        let probe = batch(4, &["b"]);
+        h.probe_sent(&probe);
+        h.judge(&probe, failed(1), Instant::now(), false);
+        let State::Suspended(second) = h.state.clone() else {
+            panic!("not suspended")
+        };
+        assert_eq!(
+            second.delay,
+            first.delay * 2,
+            "a failed probe doubles the delay"
+        );
+        let probe = batch(5, &["c"]);
+        h.probe_sent(&probe);
+        let j = h.judge(
+            &probe,
+            Outcome::all(1, Verdict::Delivered),
+            Instant::now(),
+            false,
+        );
+        assert!(matches!(j, Judgement::Settle(_)));
+        assert_eq!(h.state, State::Healthy);
+        assert_eq!(h.claims(Instant::now(), 0), Claims::Full);
+    }
+
+    #[test]
+    fn unsent_is_never_blamed_and_a_partial_throttle_slows_the_sink() {
+        let mut h = Health::default();
+        let throttled = Verdict::Unsent {
+            error: "HTTP 429".into(),
+            retry_after: Some(Duration::from_secs(2)),
+        };
+        let outcome = Outcome::Events(vec![Verdict::Delivered, throttled]);
+        let j = h.judge(&batch(1, &["a", "b"]), outcome, Instant::now(), false);
+        assert!(
+            matches!(j, Judgement::Settle(_)),
+            "the delivered part is acked"
+        );
+        assert_eq!(
+            h.claims(Instant::now(), 0),
+            Claims::None,
+            "slowed by Retry-After"
+        );
+    }
+}
