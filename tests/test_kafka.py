@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import time
 from collections import defaultdict
 
 import pytest
@@ -31,6 +32,9 @@ def front(tansu, topic):
     yield f
     f.close()
 
+
+
+_later = itertools.count()
 
 
 def emit_many(conn, topic: str, keys: int, per_key: int) -> dict[str, list[dict]]:
@@ -165,12 +169,21 @@ def test_a_fatal_record_error_dead_letters_that_event_only(conn, new_sink, tansu
     assert {"n": 3} in [json.loads(r["value"]) for r in records]
 
 
-def test_unknown_topic_is_dead_lettered_not_retried_forever(conn, new_sink, front):
-    sink = new_sink("kafka_rest_v2", front.url)
-    conn.execute("SELECT outbox.emit('order', 'u1', 'e', '{}', NULL, 'no.such.topic')")
-    dead = wait_for(lambda: conn.execute("SELECT last_error FROM outbox.dead_letters WHERE consumer = %s",
-                                         (sink,)).fetchall())
-    assert "404" in dead[0][0]
+def test_an_unknown_topic_suspends_the_sink_dead_letters_nothing_and_resumes_once_made(conn, new_sink, tansu, front):
+    sink = new_sink("kafka_rest_v2", front.url, max_attempts=2)
+    missing = f"later{next(_later)}"
+    conn.execute("SELECT outbox.emit('order', 'u1', 'e', '{\"i\": 1}', NULL, %s)", (missing,))
+    state = wait_for(lambda: (row := conn.execute(
+        "SELECT sink_state, sink_state_reason, undelivered FROM outbox.status WHERE consumer = %s",
+        (sink,)).fetchone()) and row[0] == "suspended" and row)
+    assert "404" in state[1] and state[2] == 1, state
+    time.sleep(3)                                   # probes fail meanwhile; nothing is blamed
+    assert conn.execute("SELECT count(*) FROM outbox.dead_letters WHERE consumer = %s", (sink,)).fetchone()[0] == 0
+    tansu.create_topic(missing)
+    front.topics.add(missing)                       # the proxy sees the new topic
+    (record,) = tansu.read(missing, 2, expect=1, timeout=60)
+    assert json.loads(record["value"]) == {"i": 1}
+    assert conn.execute("SELECT count(*) FROM outbox.dead_letters WHERE consumer = %s", (sink,)).fetchone()[0] == 0
 
 
 def test_binary_values_are_the_payload_bytes(conn, new_sink, tansu, front, topic):

@@ -109,7 +109,7 @@ def test_tls_is_verified_against_the_configured_ca(conn, new_sink, tmp_path):
             status = wait_for(lambda: (s := sink_status(conn, sink))["last_sink_error"] and s)
             assert "certificate" in status["last_sink_error"].lower() or "tls" in status["last_sink_error"].lower()
             assert status["pending"] == 3 and status["dead_letters"] == 0, "an untrusted peer gets nothing, nothing is lost"
-        assert sink_status(conn, trusting)["pending"] == 0
+        wait_for(lambda: sink_status(conn, trusting)["pending"] == 0, timeout=5)
     finally:
         server.close()
 
@@ -132,7 +132,8 @@ def test_5xx_and_408_are_retried_honouring_retry_after_and_order_holds(conn, new
         wait_for(lambda: len(receiver.accepted_events()) >= 8, timeout=30)
         assert receiver.requests[0].at - t0 >= 1.9, "Retry-After: 2 was honoured"
         check_delivery(emitted, receiver.accepted_events())
-        assert any(e["attempt"] > 1 for e in receiver.accepted_events()), "retried heads say so"
+        # every request failed while they lasted: the sink's fault, no attempt spent
+        assert all(e["attempt"] == 1 for e in receiver.accepted_events()), "no attempt was counted"
         assert sink_status(conn, sink)["dead_letters"] == 0
     finally:
         receiver.close()

@@ -81,7 +81,8 @@ impl Suspension {
 pub enum Judgement {
     /// Settle it with these verdicts: its failures are the events' (or, unsent, nobody's).
     Settle(Vec<Verdict>),
-    /// Give it back unattempted; its shard is not claimed again before `delay`.
+    /// Give it back unattempted; its shard is not claimed again before `delay` (none while
+    /// the sink is suspended: the suspension holds the claims back).
     GiveBack { error: String, delay: Duration },
 }
 
@@ -318,7 +319,7 @@ impl Health {
                     s.next_probe = now + s.delay;
                     s.reason = error.clone();
                 }
-                s.next_probe.saturating_duration_since(now)
+                Duration::ZERO // the suspension holds claims back, not the shard
             }
             State::Healthy if others_out => GIVE_BACK_DELAY,
             State::Healthy => {
@@ -331,7 +332,7 @@ impl Health {
                 });
                 self.suspensions += 1;
                 self.changed = true;
-                delay
+                Duration::ZERO // so that a fixed sink row (or resume_sink) delivers at once
             }
         };
         Judgement::GiveBack { error, delay }

@@ -1,0 +1,233 @@
+"""Sink health: a sink's own failure is never blamed on its events.
+
+Each everyday fault of a real webhook receiver (an expired credential, a deploy answering 5xx
+everywhere, an endpoint that moved, a receiver rejecting our format, throttling, a port with
+nothing listening, a host that does not resolve, a CA that does not match) lasts a few seconds
+under a short retry policy (3 attempts, 0.1 s to 0.5 s backoff: without sink health every event
+would be dead-lettered within a second). Then it ends. Each test asserts: nothing dead-lettered,
+every event delivered, each key's first deliveries in emit order, the sink shown suspended (with
+the reason) while it lasted, and the rest delivered within 2 s of the first successful probe.
+A key whose events fail while other keys' succeed is still parked and dead-lettered."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+from sinks import Receiver, certificates, check_delivery, wait_for
+
+SHORT_POLICY = {"max_attempts": 3, "backoff_base": "100 ms", "backoff_max": "500 ms"}
+
+
+def emit_keys(conn, keys: int, per_key: int, prefix: str) -> dict[str, list[str]]:
+    emitted: dict[str, list[str]] = {}
+    for i in range(per_key):
+        with conn.transaction():
+            for k in range(keys):
+                key = f"{prefix}{k}"
+                emitted.setdefault(key, []).append(conn.execute(
+                    "SELECT outbox.emit('order', %s, 'e', jsonb_build_object('i', %s::int))::text",
+                    (key, i)).fetchone()[0])
+    return emitted
+
+
+def status(conn, sink: str) -> dict:
+    cur = conn.execute("SELECT undelivered, dead_letters, parked_keys, failed_total, sink_state, "
+                       "sink_state_reason, sink_state_since, sink_next_probe_at, sink_suspensions "
+                       "FROM outbox.status WHERE consumer = %s", (sink,))
+    return dict(zip([c.name for c in cur.description], cur.fetchone()))
+
+
+class Misbehaving:
+    """Answers with `fault(request)` until healed, then accepts; notes when it first accepted."""
+
+    def __init__(self, fault):
+        self.fault, self.healed = fault, threading.Event()
+        self.first_accepted: float | None = None
+        self.receiver = Receiver(self.answer)
+
+    def answer(self, request):
+        if not self.healed.is_set():
+            answer = self.fault(request)
+            if answer is not None:
+                return answer
+        if self.first_accepted is None:
+            self.first_accepted = time.monotonic()
+        return 200, {}, b""
+
+
+def throttle(window: float):
+    """The first request of each window passes, the rest get 429."""
+    last = [0.0]
+    lock = threading.Lock()
+
+    def fault(_request):
+        with lock:
+            now = time.monotonic()
+            if now - last[0] >= window:
+                last[0] = now
+                return None
+        return 429, {"retry-after": "1"}, b"slow down"
+    return fault
+
+
+FAULTS = {
+    "401": lambda r: (401, {}, b"token expired"),
+    "403": lambda r: (403, {}, b"forbidden"),
+    "404": lambda r: (404, {}, b"no such endpoint"),
+    "410": lambda r: (410, {}, b"gone"),
+    "500 everywhere": lambda r: (500, {}, b"database down"),
+    "400 everywhere": lambda r: (400, {}, b"unknown schema version"),
+    "502": lambda r: (502, {}, b"bad gateway"),
+    "503 with Retry-After": lambda r: (503, {"retry-after": "1"}, b"deploying"),
+    "dropped connections": lambda r: (None, {}, b""),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS), ids=list(FAULTS))
+def test_a_fault_of_the_whole_sink_dead_letters_nothing(conn, new_sink, fault):
+    peer = Misbehaving(FAULTS[fault])
+    try:
+        sink = new_sink("webhook", peer.receiver.url, batch_size=20, **SHORT_POLICY)
+        emitted = emit_keys(conn, keys=50, per_key=4, prefix=f"h{abs(hash(fault)) % 1000}-")
+        suspended = wait_for(lambda: (s := status(conn, sink))["sink_state"] == "suspended" and s, timeout=10)
+        assert suspended["sink_state_reason"] and suspended["sink_state_since"] is not None
+        assert suspended["sink_next_probe_at"] is not None
+        time.sleep(4)                      # the fault lasts: probes fail, nothing is blamed
+        during = status(conn, sink)
+        assert (during["dead_letters"], during["parked_keys"], during["failed_total"] or 0) == (0, 0, 0)
+        assert during["undelivered"] == 200 and during["sink_state"] == "suspended"
+        peer.healed.set()
+        wait_for(lambda: len(peer.receiver.accepted_events()) >= 200, timeout=40)
+        took = time.monotonic() - peer.first_accepted
+        assert took < 2.0, f"delivery resumed {took:.1f} s after the first successful probe"
+        time.sleep(0.5)
+        check_delivery(emitted, peer.receiver.accepted_events())
+        after = wait_for(lambda: (s := status(conn, sink))["sink_state"] == "healthy" and s, timeout=5)
+        assert (after["dead_letters"], after["parked_keys"], after["undelivered"]) == (0, 0, 0)
+        assert after["sink_suspensions"] >= 1
+    finally:
+        peer.receiver.close()
+
+
+def test_steady_throttling_of_single_requests_dead_letters_nothing(conn, new_sink):
+    peer = Misbehaving(throttle(0.3))
+    try:
+        sink = new_sink("webhook", peer.receiver.url, format="single", batch_size=20, **SHORT_POLICY)
+        emitted = emit_keys(conn, keys=10, per_key=3, prefix="thr")
+        time.sleep(5)                      # about 16 requests pass, the rest are throttled
+        during = status(conn, sink)
+        assert during["dead_letters"] == 0 and (during["failed_total"] or 0) == 0, during
+        assert 0 < len(peer.receiver.accepted_events()) < 30, "throttled, yet moving"
+        peer.healed.set()
+        wait_for(lambda: len(peer.receiver.accepted_events()) >= 30, timeout=40)
+        time.sleep(0.5)
+        check_delivery(emitted, peer.receiver.accepted_events())
+        assert status(conn, sink)["dead_letters"] == 0
+    finally:
+        peer.receiver.close()
+
+
+def test_a_closed_port_then_a_server_there(conn, new_sink):
+    receiver = Receiver()
+    port = receiver.port
+    receiver.close()
+    sink = new_sink("webhook", f"http://127.0.0.1:{port}", **SHORT_POLICY)
+    emitted = emit_keys(conn, keys=10, per_key=3, prefix="port")
+    wait_for(lambda: status(conn, sink)["sink_state"] == "suspended", timeout=10)
+    time.sleep(3)
+    assert status(conn, sink)["dead_letters"] == 0
+    receiver = Receiver(port=port)
+    try:
+        wait_for(lambda: len(receiver.accepted_events()) >= 30, timeout=40)
+        time.sleep(0.3)
+        check_delivery(emitted, receiver.accepted_events())
+        assert status(conn, sink)["dead_letters"] == 0
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("wrong", ["an unresolvable host", "a CA that does not match"])
+def test_an_update_of_the_sink_row_that_fixes_it_delivers_within_2_s(conn, new_sink, tmp_path, wrong):
+    certs = certificates(tmp_path)
+    receiver = Receiver(tls=(certs["server"], certs["key"]))
+    try:
+        if wrong == "an unresolvable host":
+            sink = new_sink("webhook", f"https://outbox-no-such-host.invalid:{receiver.port}",
+                            tls_ca=certs["ca"].read_text(), **SHORT_POLICY)
+            fix, value = "url", receiver.url
+        else:
+            sink = new_sink("webhook", receiver.url, tls_ca=certs["other_ca"].read_text(), **SHORT_POLICY)
+            fix, value = "tls_ca", certs["ca"].read_text()
+        emitted = emit_keys(conn, keys=10, per_key=3, prefix="fix")
+        wait_for(lambda: status(conn, sink)["sink_state"] == "suspended", timeout=10)
+        time.sleep(3)
+        assert status(conn, sink)["dead_letters"] == 0
+        conn.execute(f"UPDATE outbox.sinks SET {fix} = %s WHERE name = %s", (value, sink))
+        fixed_at = time.monotonic()
+        wait_for(lambda: len(receiver.accepted_events()) >= 30, timeout=10)
+        assert time.monotonic() - fixed_at < 2.0, "delivered within 2 s of the fix"
+        check_delivery(emitted, receiver.accepted_events())
+        assert status(conn, sink)["dead_letters"] == 0
+    finally:
+        receiver.close()
+
+
+def test_a_key_that_fails_among_healthy_ones_is_still_dead_lettered(conn, new_sink):
+    """Only key "bad" fails; other keys keep flowing (the evidence that the sink is healthy):
+    exactly bad's events are dead-lettered, after max_attempts, in order."""
+    receiver = Receiver(lambda r: (500, {}, b"cannot handle this one")
+                        if any(e["aggregate_id"] == "bad" for e in r.events()) else (200, {}, b""))
+    stop = threading.Event()
+
+    def traffic():
+        with psycopg.connect(conn.info.dsn, autocommit=True) as c:
+            i = 0
+            while not stop.is_set():
+                c.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (f"good{i % 20}",))
+                i += 1
+                time.sleep(0.02)
+    try:
+        sink = new_sink("webhook", receiver.url, **SHORT_POLICY)
+        bad = [conn.execute("SELECT outbox.emit('order', 'bad', 'e', '{}')::text").fetchone()[0]
+               for _ in range(2)]
+        emitter = threading.Thread(target=traffic, daemon=True)
+        emitter.start()
+        dead = wait_for(lambda: (rows := conn.execute(
+            "SELECT event_id::text, attempts FROM outbox.dead_letters WHERE consumer = %s ORDER BY id",
+            (sink,)).fetchall()) and len(rows) == 2 and rows, timeout=60)
+        assert [d[0] for d in dead] == bad and all(d[1] == 3 for d in dead), dead
+        stop.set()
+        emitter.join()
+        wait_for(lambda: status(conn, sink)["undelivered"] == 0, timeout=20)
+        assert {e["aggregate_id"] for e in receiver.accepted_events()} - {f"good{i}" for i in range(20)} == set()
+    finally:
+        stop.set()
+        receiver.close()
+
+
+def test_admins_pause_and_resume_a_sink_by_hand(conn, new_sink, receiver, cluster, deliver_db):
+    sink = new_sink("webhook", receiver.url)
+    conn.execute("SELECT outbox.pause_sink(%s)", (sink,))
+    assert status(conn, sink)["sink_state"] == "disabled"
+    emitted = emit_keys(conn, keys=3, per_key=2, prefix="pause")
+    time.sleep(1.5)
+    assert receiver.accepted_events() == [], "a paused sink is sent nothing"
+    conn.execute("SELECT outbox.resume_sink(%s)", (sink,))
+    wait_for(lambda: len(receiver.accepted_events()) >= 6, timeout=10)
+    check_delivery(emitted, receiver.accepted_events())
+    with pytest.raises(psycopg.errors.UndefinedObject):
+        conn.execute("SELECT outbox.pause_sink('no such sink')")
+    with cluster.connect(deliver_db, "relay_user") as relay:          # -- fail: relays cannot
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            relay.execute("SELECT outbox.pause_sink(%s)", (sink,))
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
