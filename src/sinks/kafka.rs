@@ -12,8 +12,9 @@
 //! - another topic is another partition, which the producer does not order with the first: a
 //!   key's record for a topic other than its previous record's waits for that one's report;
 //! - a record is acked only on its delivery report. What has no report by the sink's
-//!   request_timeout is retried from the first such record of its key; a copy still queued in
-//!   the client may then arrive twice, never ahead of an earlier record of its key.
+//!   request_timeout (or the batch's deadline) goes back unsent, its key waiting from the first
+//!   such record, with no attempt counted; a copy still queued in the client may then arrive
+//!   twice, never ahead of an earlier record of its key.
 //!
 //! The producer lives on the delivery threads (created on first use, where every signal is
 //! blocked, so its threads inherit that mask) and never calls into PostgreSQL.

@@ -9,8 +9,9 @@
 //! of the same key: if the first failed, the second would be published ahead of it. A batch is
 //! therefore sent per Kafka topic in rounds (round r holds the r-th event of every key: one
 //! request when keys are distinct), and a key that failed sits out the later rounds. Each record
-//! gets its own verdict from the reply, so a partial success acks what went through and retries
-//! (or dead-letters) only the rest, from the failed record of each key on.
+//! gets its own verdict from the reply, so a partial success acks what went through, and only
+//! the rest, from the failed record of each key on, waits (a broker's or the proxy's error,
+//! uncounted) or is dead-lettered (an error about the record itself).
 //!
 //! Tolerated variations: v2 replies with 200, 207 or 422 carrying per-record `offsets`;
 //! `error_code` null, 0 or missing on success; old codes 1 (fatal) / 2 (retriable), raw Kafka
