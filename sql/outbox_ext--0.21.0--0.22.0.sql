@@ -187,6 +187,11 @@ CREATE OR REPLACE FUNCTION outbox.pause_sink(name text) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
+    IF name IS NULL THEN
+        RAISE EXCEPTION 'name must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass name to outbox.pause_sink; the README lists every argument.';
+    END IF;
     UPDATE outbox.sinks s SET enabled = false WHERE s.name OPERATOR(pg_catalog.=) pause_sink.name;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'sink "%" does not exist', name
@@ -202,6 +207,11 @@ CREATE OR REPLACE FUNCTION outbox.resume_sink(name text) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
+    IF name IS NULL THEN
+        RAISE EXCEPTION 'name must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass name to outbox.resume_sink; the README lists every argument.';
+    END IF;
     -- always an update, enabled or not: a new updated_at makes the worker start afresh
     UPDATE outbox.sinks s SET enabled = true WHERE s.name OPERATOR(pg_catalog.=) resume_sink.name;
     IF NOT FOUND THEN

@@ -39,6 +39,8 @@ VALID = {
                            "sasl_username": None, "max_attempts": 10, "backoff_base": "1 s", "backoff_max": "10 min",
                            "from_beginning": False},
     "outbox.drop_sink": {"name": "c"},
+    "outbox.pause_sink": {"name": "c"},
+    "outbox.resume_sink": {"name": "c"},
     "outbox.maintain": {},
     "outbox.shard_of": {"aggregate_id": "k"},
     "outbox.shard_count": {},
