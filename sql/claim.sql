@@ -1306,6 +1306,25 @@ BEGIN
 END
 $$;
 
+-- A batch given back (release) after nack parked keys of it: a key that this batch parked
+-- (its queue holds only events of this batch's page, none of them a parked head it handed out)
+-- is unparked, its queue dropped, as if the batch had never been claimed. The shard reads the
+-- page again, so the key's events come back in order: kept, the earlier ones would be queued
+-- behind the failed one. A key parked before (its head handed out and nacked) keeps its queue
+-- and the attempt counted.
+CREATE OR REPLACE FUNCTION outbox_internal._unpark_released(c outbox.consumers, cur outbox._cursor_log) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    DELETE FROM outbox._parked p
+     WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch
+       AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                        WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
+                          AND (q.id = ANY (cur.heads) OR q.seq <= coalesce(cur.after_seq, 0)
+                               OR q.seq > coalesce(cur.batch_end, 0)));
+END
+$$;
+
 -- nack and reject: one event failed; the batch stays out until settle or ack.
 CREATE OR REPLACE FUNCTION outbox_internal._fail(consumer text, shard int, epoch bigint, event_id uuid, error text,
                                         retry_after interval, final boolean) RETURNS void
@@ -1610,6 +1629,7 @@ BEGIN
     PERFORM outbox_internal._not_null(retry_after IS NULL, 'retry_after', 'outbox.release');
     PERFORM outbox_internal._check_interval(retry_after, 'retry_after', '30 days', true);
     cur := outbox_internal._leased(c.id, shard, epoch);
+    PERFORM outbox_internal._unpark_released(c, cur);
     cur.owner := NULL;
     cur.lease_until := CASE WHEN retry_after > '0' THEN now() + retry_after END;
     cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
@@ -1635,6 +1655,7 @@ BEGIN
               ORDER BY sh.shard FOR UPDATE LOOP
         cur := outbox_internal._cursor(c.id, s);
         CONTINUE WHEN cur.owner IS DISTINCT FROM release_owner.owner OR cur.lease_until <= now();
+        PERFORM outbox_internal._unpark_released(c, cur);
         cur.owner := NULL; cur.lease_until := NULL;
         cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
         PERFORM outbox_internal._append(cur);

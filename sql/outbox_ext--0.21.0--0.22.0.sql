@@ -8,6 +8,8 @@
 -- were not attempted ("attempted": false: the key waits, no attempt counted); the worker records
 -- each sink's state in outbox._sink_stats and outbox.status shows it, with every undelivered
 -- event counted (undelivered); admins pause and resume sinks with pause_sink / resume_sink.
+-- And a batch given back (release, release_owner) after a nack no longer queues the key's
+-- earlier events of the batch behind the failed one: what the batch parked is unparked.
 --
 -- A delta: what changed from 0.21.0 to 0.22.0, rerunnable. Released: never edit it.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.22.0'" to load this file. \quit
@@ -275,6 +277,78 @@ COMMENT ON VIEW outbox.status IS
     '(healthy, suspended with its reason, since and next probe, or disabled). '
     'Example: SELECT consumer, undelivered, lag, dead_letters, sink_state, sink_state_reason FROM outbox.status;';
 
+-- A batch given back (release) after nack parked keys of it: a key that this batch parked
+-- (its queue holds only events of this batch's page, none of them a parked head it handed out)
+-- is unparked, its queue dropped, as if the batch had never been claimed. The shard reads the
+-- page again, so the key's events come back in order: kept, the earlier ones would be queued
+-- behind the failed one. A key parked before (its head handed out and nacked) keeps its queue
+-- and the attempt counted.
+CREATE OR REPLACE FUNCTION outbox_internal._unpark_released(c outbox.consumers, cur outbox._cursor_log) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    DELETE FROM outbox._parked p
+     WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch
+       AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                        WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
+                          AND (q.id = ANY (cur.heads) OR q.seq <= coalesce(cur.after_seq, 0)
+                               OR q.seq > coalesce(cur.batch_end, 0)));
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint,
+                               retry_after interval DEFAULT '0') RETURNS void
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    c   outbox.consumers := outbox_internal._consumer(consumer);
+    cur outbox._cursor_log;
+BEGIN
+    PERFORM outbox_internal._not_null(retry_after IS NULL, 'retry_after', 'outbox.release');
+    PERFORM outbox_internal._check_interval(retry_after, 'retry_after', '30 days', true);
+    cur := outbox_internal._leased(c.id, shard, epoch);
+    PERFORM outbox_internal._unpark_released(c, cur);
+    cur.owner := NULL;
+    cur.lease_until := CASE WHEN retry_after > '0' THEN now() + retry_after END;
+    cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
+    PERFORM outbox_internal._append(cur);
+END
+$$;
+COMMENT ON FUNCTION outbox.release(text, int, bigint, interval) IS
+    'Gives a claimed batch back undelivered (e.g. the sink is down): the shard stays where it was '
+    'and is not claimed again before retry_after. Example: SELECT outbox.release(''hook'', 3, 17, ''5 s'');';
+
+CREATE OR REPLACE FUNCTION outbox.release_owner(consumer text, owner text) RETURNS int
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    c   outbox.consumers := outbox_internal._consumer(consumer);
+    s   int;
+    cur outbox._cursor_log;
+    n   int := 0;
+BEGIN
+    PERFORM outbox_internal._not_null(owner IS NULL, 'owner', 'outbox.release_owner');
+    FOR s IN SELECT sh.shard FROM outbox._shards sh WHERE sh.consumer_id = c.id
+              ORDER BY sh.shard FOR UPDATE LOOP
+        cur := outbox_internal._cursor(c.id, s);
+        CONTINUE WHEN cur.owner IS DISTINCT FROM release_owner.owner OR cur.lease_until <= now();
+        PERFORM outbox_internal._unpark_released(c, cur);
+        cur.owner := NULL; cur.lease_until := NULL;
+        cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
+        PERFORM outbox_internal._append(cur);
+        n := n + 1;
+    END LOOP;
+    RETURN n;
+END
+$$;
+COMMENT ON FUNCTION outbox.release_owner(text, text) IS
+    'Gives back every batch a relay (by its claim owner name) holds for the consumer, e.g. after '
+    'the relay died; its late acks are refused. Returns how many. '
+    'Example: SELECT outbox.release_owner(''hook'', ''relay-7'');';
+
+REVOKE ALL ON FUNCTION outbox_internal._unpark_released(outbox.consumers, outbox._cursor_log) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox_internal._head_waits(outbox.consumers, text, text, interval, bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.pause_sink(text), outbox.resume_sink(text) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.pause_sink(text), outbox.resume_sink(text) TO outbox_admin;

@@ -194,7 +194,8 @@ class FaultProxy(_Server):
 
 
 def certificates(directory: Path) -> dict[str, Path]:
-    """A CA, and a certificate it signs for 127.0.0.1 and localhost; plus an untrusted CA."""
+    """A CA, and a certificate it signs for 127.0.0.1 and localhost (and the same, expired); plus
+    an untrusted CA."""
     d = directory
     def run(*args):
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
@@ -208,7 +209,17 @@ def certificates(directory: Path) -> dict[str, Path]:
         "-out", "server.csr")
     run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
         "-days", "2", "-extfile", "ext.cnf", "-out", "server.pem")
-    return {name: d / f"{name}.pem" for name in ("ca", "other_ca", "server")} | {"key": d / "server.key"}
+    # the same key, certified by the same CA, for a day in 2024: expired
+    (d / "db").mkdir(exist_ok=True)
+    (d / "db" / "index.txt").write_text("")
+    (d / "db" / "serial").write_text("1000\n")
+    (d / "ca.cnf").write_text("[ca]\ndefault_ca = test\n[test]\ndatabase = db/index.txt\nnew_certs_dir = db\n"
+                              "serial = db/serial\ndefault_md = sha256\npolicy = any\nx509_extensions = ext\n"
+                              "[any]\ncommonName = supplied\n[ext]\nsubjectAltName = IP:127.0.0.1,DNS:localhost\n"
+                              "basicConstraints = CA:FALSE\nextendedKeyUsage = serverAuth\n")
+    run("ca", "-batch", "-config", "ca.cnf", "-cert", "ca.pem", "-keyfile", "ca.key", "-in", "server.csr",
+        "-out", "expired.pem", "-startdate", "20240101000000Z", "-enddate", "20240102000000Z")
+    return {name: d / f"{name}.pem" for name in ("ca", "other_ca", "server", "expired")} | {"key": d / "server.key"}
 
 
 def check_delivery(emitted: dict[str, list[str]], received: list[dict], max_duplicates: int = 0) -> None:

@@ -193,7 +193,7 @@ def test_the_shipped_alerting_rules_load_and_a_dead_letter_fires_its_alert(serve
     def rules():
         groups = json.loads(_get(f"{prometheus.api}/api/v1/rules"))["data"]["groups"]
         return {r["name"]: r for g in groups for r in g["rules"]}
-    assert set(rules()) == {"OutboxConsumerLagging", "OutboxWorkerDown", "OutboxDeadLetters"}
+    assert set(rules()) == {"OutboxConsumerLagging", "OutboxWorkerDown", "OutboxDeadLetters", "OutboxSinkSuspended"}
     with cluster.connect(DB) as conn:   # a relay gives up on an event: a dead letter
         conn.execute("SELECT outbox.create_consumer('giving_up')")
         emit(conn, "doomed", ["d1"])

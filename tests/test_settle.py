@@ -309,3 +309,15 @@ def test_a_rejected_event_listed_again_stays_dead(db, relay):
     relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(by_key[a][0], "HTTP 422", final=True)])
     assert dead(db) == [(a, 0, "HTTP 422")] and parked(db) == {}
     assert relay.drain() == [], "not delivered again"
+
+
+def test_a_batch_given_back_after_a_nack_brings_the_keys_events_back_in_order(db, relay):
+    """nack parks the key from the failed event on; the relay then gives the batch back instead
+    of settling it (release): the key's earlier events of the batch must not come after it."""
+    a, = keys_in_shard(db, 5, 1)
+    batch, by_key = emit_batch(db, relay, {a: 3})
+    relay.nack(by_key[a][1], "second failed")
+    assert parked(db) == {a: [1, 2]}
+    relay.release(batch[0].shard, batch[0].epoch)
+    assert parked(db) == {}, "given back: as if never claimed"
+    assert [e.id for e in relay.drain()] == [e.id for e in by_key[a]], "in emit order"

@@ -176,6 +176,28 @@ def test_an_update_of_the_sink_row_that_fixes_it_delivers_within_2_s(conn, new_s
         receiver.close()
 
 
+def test_an_expired_certificate_then_a_renewed_one(conn, new_sink, tmp_path):
+    certs = certificates(tmp_path)
+    receiver = Receiver(tls=(certs["expired"], certs["key"]))
+    port = receiver.port
+    try:
+        sink = new_sink("webhook", receiver.url, tls_ca=certs["ca"].read_text(), **SHORT_POLICY)
+        emitted = emit_keys(conn, keys=10, per_key=3, prefix="exp")
+        state = wait_for(lambda: (s := status(conn, sink))["sink_state"] == "suspended" and s, timeout=10)
+        assert "expired" in state["sink_state_reason"].lower() or "certificate" in state["sink_state_reason"].lower()
+        time.sleep(3)
+        assert status(conn, sink)["dead_letters"] == 0
+        receiver.close()
+        receiver = Receiver(port=port, tls=(certs["server"], certs["key"]))   # renewed
+        renewed_at = time.monotonic()
+        wait_for(lambda: len(receiver.accepted_events()) >= 30, timeout=10)
+        assert time.monotonic() - renewed_at < 3.0, "the next probe delivers it"
+        check_delivery(emitted, receiver.accepted_events())
+        assert status(conn, sink)["dead_letters"] == 0
+    finally:
+        receiver.close()
+
+
 def test_a_key_that_fails_among_healthy_ones_is_still_dead_lettered(conn, new_sink):
     """Only key "bad" fails; other keys keep flowing (the evidence that the sink is healthy):
     exactly bad's events are dead-lettered, after max_attempts, in order."""

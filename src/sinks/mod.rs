@@ -413,6 +413,25 @@ pub fn test_event(key: &str) -> Event {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_batch_out_of_time_sends_nothing_and_goes_back_unsent() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let url = format!("http://{}/", listener.local_addr().expect("bound"));
+        let client = Client::new(test_config(Kind::Webhook, &url)).expect("a client");
+        let events: Vec<Event> = ["a", "b"].map(test_event).to_vec();
+        // request_timeout is 30 s: a lease ending sooner leaves no time for a request
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let Outcome::Events(verdicts) = client.deliver(&events, deadline, false) else {
+            panic!("expected verdicts");
+        };
+        assert!(
+            verdicts.iter().all(|v| matches!(v, Verdict::Unsent { .. })),
+            "{verdicts:?}"
+        );
+        assert!(listener.accept().is_err(), "no request was started");
+    }
+
     fn down() -> Outcome {
         Outcome::SinkDown {
             error: "refused".into(),

@@ -21,7 +21,7 @@
 //! Otherwise the batch is given back unattempted (`outbox.release`): nothing is counted,
 //! parked or dead-lettered, however long the failure lasts. When no other batch of the sink
 //! is out to tell otherwise, the sink is suspended: no claims but one probe at a time, a
-//! small batch sent one event per request, on a backoff (0.5 s doubling to 30 s, or the
+//! small batch sent one event per request, on a backoff (0.25 s doubling to 2 s, or the
 //! sink's Retry-After clamped to 0.1 s .. 5 min). The first probe that delivers anything
 //! resumes the sink at full concurrency; its failed events are then blamed as usual.
 //!
@@ -40,8 +40,10 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
 /// The first probe of a suspended sink comes after this; each failed probe doubles it.
-const FIRST_PROBE: Duration = Duration::from_millis(500);
-const MAX_PROBE_DELAY: Duration = Duration::from_secs(30);
+/// Short, so that a sink fixed outside our view (a receiver back, a topic made) is delivered to
+/// within about 2 s; a probe is one small request, so even a sink down for hours costs little.
+const FIRST_PROBE: Duration = Duration::from_millis(250);
+const MAX_PROBE_DELAY: Duration = Duration::from_secs(2);
 /// A Retry-After is honoured within these bounds.
 const RETRY_AFTER_MIN: Duration = Duration::from_millis(100);
 const RETRY_AFTER_MAX: Duration = Duration::from_secs(300);
@@ -311,12 +313,18 @@ impl Health {
         was_probe: bool,
         now: Instant,
     ) -> Judgement {
+        // a sink that says when to come back is not asked before then, suspended or not
+        if let Some(retry_after) = retry_after {
+            let until = now + clamp_retry_after(retry_after);
+            self.slowed_until = Some(self.slowed_until.map_or(until, |t| t.max(until)));
+        }
+        let not_before = self.slowed_until.unwrap_or(now);
         let delay = match &mut self.state {
             State::Suspended(s) => {
                 if was_probe {
                     s.delay =
                         retry_after.map_or((s.delay * 2).min(MAX_PROBE_DELAY), clamp_retry_after);
-                    s.next_probe = now + s.delay;
+                    s.next_probe = (now + s.delay).max(not_before);
                     s.reason = error.clone();
                 }
                 Duration::ZERO // the suspension holds claims back, not the shard
@@ -327,7 +335,7 @@ impl Health {
                 self.state = State::Suspended(Suspension {
                     reason: error.clone(),
                     since: SystemTime::now(),
-                    next_probe: now + delay,
+                    next_probe: (now + delay).max(not_before),
                     delay,
                 });
                 self.suspensions += 1;
