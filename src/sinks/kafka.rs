@@ -1,6 +1,6 @@
 //! Native Kafka sink: the worker produces to the brokers itself, with librdkafka (the `rdkafka`
-//! crate, built from its bundled source). Also the record rules every Kafka sink shares (topic,
-//! key, headers), used by the REST sinks too.
+//! crate, built from its bundled source). The record rules (topic, key, headers) are
+//! `records`', shared with the REST sinks.
 //!
 //! Per-key order with whole batches rests on four things:
 //! - the idempotent producer (acks=all, gapless): per partition, the broker persists a
@@ -19,7 +19,8 @@
 //! The producer lives on the delivery threads (created on first use, where every signal is
 //! blocked, so its threads inherit that mask) and never calls into PostgreSQL.
 
-use super::{held_back, Config, Event, Kind, Outcome, Verdict};
+use super::records::{kafka_topic, record_headers};
+use super::{held_back, Config, Event, Outcome, Verdict};
 use rdkafka::config::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
@@ -28,7 +29,6 @@ use rdkafka::producer::{
 };
 use rdkafka::types::RDKafkaErrorCode as Code;
 use rdkafka::ClientContext;
-use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -183,7 +183,7 @@ impl Drop for Producer {
 /// its threads and flushes for up to half a second, which must not stall the worker's loop
 /// (a sink changed or dropped) or the sink's other batches.
 fn tear_down(producer: Arc<ThreadedProducer<Reports>>) {
-    let spawned = crate::worker::pool::with_signals_blocked(|| {
+    let spawned = crate::threads::with_signals_blocked(|| {
         std::thread::Builder::new()
             .name("outbox_ext kafka teardown".into())
             .spawn(move || drop(producer))
@@ -519,47 +519,11 @@ pub fn bootstrap(url: &str) -> Result<(bool, String), String> {
     }
 }
 
-/// The Kafka topic of an event: its topic (or aggregate type; with the debezium format,
-/// outbox.event.<aggregate type>, as Debezium's outbox event router names it), renamed by
-/// `topic_map`.
-pub fn kafka_topic(config: &Config, event: &Event) -> String {
-    let name = if config.kind == Kind::Kafka && config.format == "debezium" {
-        format!("outbox.event.{}", event.aggregate_type)
-    } else {
-        event
-            .topic
-            .clone()
-            .unwrap_or_else(|| event.aggregate_type.clone())
-    };
-    config.topic_map.get(&name).cloned().unwrap_or(name)
-}
-
-/// The event's own headers, then its id and type: outbox-id and outbox-event-type, or with
-/// the debezium format id and eventType (the names Debezium's router and its docs use).
-pub fn record_headers(config: &Config, e: &Event) -> Vec<(String, String)> {
-    let mut headers: Vec<(String, String)> = e
-        .headers
-        .as_deref()
-        .and_then(|h| serde_json::from_str::<serde_json::Map<String, Value>>(h).ok())
-        .map(|map| {
-            map.into_iter()
-                .filter_map(|(k, v)| v.as_str().map(|v| (k, v.to_string())))
-                .collect()
-        })
-        .unwrap_or_default();
-    let (id, event_type) = match config.format.as_str() {
-        "debezium" if config.kind == Kind::Kafka => ("id", "eventType"),
-        _ => ("outbox-id", "outbox-event-type"),
-    };
-    headers.push((id.into(), e.id.clone()));
-    headers.push((event_type.into(), e.event_type.clone()));
-    headers
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::test_config;
     use super::*;
+    use crate::sinks::Kind;
 
     #[test]
     fn sasl_over_tls_settings() {

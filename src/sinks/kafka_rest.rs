@@ -19,7 +19,7 @@
 //! throttling with an HTML body.
 
 use super::http::{self, judge_failure, Reply};
-use super::kafka::{kafka_topic, record_headers};
+use super::records::{kafka_topic, record_headers};
 use super::{
     held_back, out_of_time, push_json_str, split, Config, Event, Kind, Outcome, Tally, Verdict,
 };

@@ -6,12 +6,11 @@
 //! PostgreSQL, no pgrx, no panics on input (a panic is caught by the pool and counted as a
 //! failed batch).
 
-pgrx::extension_sql_file!("../../sql/sinks.sql", name = "sinks", requires = ["claim"]);
-
 mod check;
 pub mod http;
 pub mod kafka;
 pub mod kafka_rest;
+pub mod records;
 pub mod webhook;
 
 use std::collections::HashMap;

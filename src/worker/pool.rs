@@ -134,7 +134,7 @@ impl Pool {
 /// for one of the sink's threads).
 fn spawn(queue: &Arc<Mutex<Receiver<Job>>>, done: &Sender<Done>, wake: &Arc<UnixStream>) -> bool {
     let (queue, done, wake) = (Arc::clone(queue), done.clone(), Arc::clone(wake));
-    with_signals_blocked(|| {
+    crate::threads::with_signals_blocked(|| {
         std::thread::Builder::new()
             .name("outbox_ext delivery".into())
             .spawn(move || deliver_loop(&queue, &done, &wake))
@@ -175,18 +175,5 @@ fn deliver_loop(queue: &Mutex<Receiver<Job>>, done: &Sender<Done>, wake: &UnixSt
             return;
         }
         let _ = (&*wake).write(&[1]);
-    }
-}
-
-/// Runs `f` (which starts a thread) with all signals blocked, so the thread inherits that mask.
-pub(crate) fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
-    unsafe {
-        let mut all: libc::sigset_t = std::mem::zeroed();
-        let mut old: libc::sigset_t = std::mem::zeroed();
-        libc::sigfillset(&mut all);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
-        let result = f();
-        libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
-        result
     }
 }

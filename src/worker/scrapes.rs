@@ -20,7 +20,7 @@ pub fn serve(
 ) -> Result<(), String> {
     let listener =
         TcpListener::bind(address).map_err(|e| format!("cannot listen on {address}: {e}"))?;
-    super::pool::with_signals_blocked(|| {
+    crate::threads::with_signals_blocked(|| {
         std::thread::Builder::new()
             .name("outbox_ext metrics".into())
             .spawn(move || answer_all(&listener, &render))
