@@ -10,6 +10,8 @@
 -- event counted (undelivered); admins pause and resume sinks with pause_sink / resume_sink.
 -- And a batch given back (release, release_owner) after a nack no longer queues the key's
 -- earlier events of the batch behind the failed one: what the batch parked is unparked.
+-- outbox.maintain() becomes a short driver over phases (outbox_internal._maint_*), so that a
+-- later change to one phase is one CREATE OR REPLACE.
 --
 -- A delta: what changed from 0.21.0 to 0.22.0, rerunnable. Released: never edit it.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.22.0'" to load this file. \quit
@@ -348,6 +350,320 @@ COMMENT ON FUNCTION outbox.release_owner(text, text) IS
     'the relay died; its late acks are refused. Returns how many. '
     'Example: SELECT outbox.release_owner(''hook'', ''relay-7'');';
 
+-- outbox.maintain() as a driver over phases, one function each
+-- What maintain() reports, one row per action; and what a phase that spends the run's budget
+-- returns: its rows, how much of the budget it used, whether it changed the partitions.
+DO $type$
+BEGIN
+    CREATE TYPE outbox_internal._maint_row AS (action text, relation text, detail text);
+EXCEPTION WHEN duplicate_object THEN NULL;  -- rerun: the type is there
+END
+$type$;
+DO $type$
+BEGIN
+    CREATE TYPE outbox_internal._maint_step AS (rows outbox_internal._maint_row[], used int, changed boolean);
+EXCEPTION WHEN duplicate_object THEN NULL;  -- rerun: the type is there
+END
+$type$;
+
+-- Phase 0: one run at a time, under a lock that no other role can hold (any role can hold an
+-- advisory lock, or a weaker table lock: a statement it may PREPARE takes one). Waited for
+-- briefly, not NOWAIT: a statement any role may try takes this lock for an instant before the
+-- check that refuses it (CREATE STATISTICS, COMMENT ON), and repeated, it would make every run
+-- that came in that instant skip. Another run holds it far longer. Returns why the run is
+-- skipped, or NULL (the lock is then held to the end of the transaction).
+CREATE OR REPLACE FUNCTION outbox_internal._maint_lock() RETURNS text
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    old_timeout text := current_setting('lock_timeout');
+BEGIN
+    BEGIN
+        PERFORM set_config('lock_timeout', '100ms', true);
+        LOCK TABLE outbox.partition_config IN SHARE UPDATE EXCLUSIVE MODE;
+        PERFORM set_config('lock_timeout', old_timeout, true);
+    EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+        RETURN 'another outbox.maintain() is running';
+    END;
+    IF outbox_internal._restore_running() THEN  -- its partitions would collide with the dump's
+        RETURN 'a restore into this database is running';
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- Phase 1: a database restored from a dump (sql/restore.sql) is rebased; the guard on emits goes
+-- in a later run, once the rebase is committed (dropping it here would wait for emits that wait
+-- for us). Waits at most a second for the events table.
+CREATE OR REPLACE FUNCTION outbox_internal._maint_rebase() RETURNS SETOF outbox_internal._maint_row
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    rebased     boolean := outbox_internal._rebase_if_restored();
+    old_timeout text := current_setting('lock_timeout');
+BEGIN
+    PERFORM set_config('lock_timeout', '1s', true);
+    IF NOT rebased AND EXISTS (SELECT FROM pg_trigger t WHERE t.tgrelid = 'outbox.events'::regclass
+                                                        AND t.tgname = 'rebase_before_emit')
+       AND NOT (SELECT o.restore_pending FROM outbox._origin o) THEN
+        BEGIN  -- rebased: emits need not stop by any more, and write natively again
+            DROP TRIGGER rebase_before_emit ON outbox.events;
+            RETURN NEXT ROW('rebased', 'outbox.events', 'restored from a dump; rebased')::outbox_internal._maint_row;
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            NULL;  -- in use: the next run
+        END;
+    END IF;
+    PERFORM set_config('lock_timeout', old_timeout, true);
+END
+$$;
+
+-- Phase 2: partitions past retention, oldest first: dropped or detached, never with undelivered
+-- events. A drop needs the parent's ACCESS EXCLUSIVE lock; waited for after creating a
+-- partition (which locks the default partition) it could deadlock with a reader that holds the
+-- parent and goes on to the default partition, so this phase comes first. Each waits at most a
+-- second: a long reader must not queue every emit behind the drop; the next run tries again.
+-- Looks at most at twice budget partitions (a kept one is locked too).
+CREATE OR REPLACE FUNCTION outbox_internal._maint_retire(parts outbox.partitions[], budget int)
+RETURNS outbox_internal._maint_step
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    cfg         outbox.partition_config;
+    p           outbox.partitions;
+    step        outbox_internal._maint_step := ROW('{}', 0, false);
+    looks       int := 2 * budget;
+    why         text;
+    part        text;
+    old_timeout text := current_setting('lock_timeout');
+BEGIN
+    PERFORM set_config('lock_timeout', '1s', true);
+    FOR cfg IN SELECT * FROM outbox.partition_config LOOP
+        -- (never one that ends after now, whatever the retention: an interval such as
+        -- '-1 mon +30 days' passes its CHECK and is still a day ahead in some months)
+        FOR p IN SELECT * FROM unnest(parts) x
+                  WHERE x.parent = cfg.parent AND NOT x.is_default
+                    AND x.upper <= least(now() - cfg.retention, now())
+                  ORDER BY x.lower LOOP
+            IF step.used = budget OR looks = 0 THEN
+                step.rows := step.rows || ROW('deferred', cfg.parent::text,
+                    'more partitions past retention than one run takes: the next run goes on')::outbox_internal._maint_row;
+                EXIT;
+            END IF;
+            looks := looks - 1;
+            part := p.partition::text;  -- named while it exists
+            BEGIN
+                IF cfg.parent = 'outbox.events'::regclass THEN
+                    why := outbox_internal._partition_pending(p.partition, p.upper);
+                    IF why IS NOT NULL THEN
+                        step.rows := step.rows || ROW('kept', part, 'past retention, but ' || why)::outbox_internal._maint_row;
+                        CONTINUE;
+                    END IF;
+                END IF;
+                -- Partitions made by CREATE EXTENSION belong to the extension, which would refuse
+                -- to let them go (and would drop a detached one with itself): release them first.
+                IF EXISTS (SELECT FROM pg_depend d
+                            WHERE d.classid = 'pg_class'::regclass AND d.objid = p.partition
+                              AND d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e') THEN
+                    EXECUTE format('ALTER EXTENSION outbox_ext DROP TABLE %s', part);
+                END IF;
+                IF cfg.detach THEN
+                    EXECUTE format('ALTER TABLE %s DETACH PARTITION %s', cfg.parent, part);
+                    step.rows := step.rows || ROW('detached', part, NULL)::outbox_internal._maint_row;
+                ELSE
+                    EXECUTE format('DROP TABLE %s', part);
+                    step.rows := step.rows || ROW('dropped', part, NULL)::outbox_internal._maint_row;
+                END IF;
+                step.changed := true;
+                step.used := step.used + 1;
+            EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+                -- A deadlock: a transaction that holds the inbox and waits for the events table
+                -- (inbox.claim, then emit) while this run, having dropped an events partition,
+                -- waits for the inbox. This run gives way; the transaction goes on once it ends.
+                step.rows := step.rows || ROW('kept', part, 'past retention, but in use ('
+                    || CASE SQLSTATE WHEN '40P01' THEN 'deadlock' ELSE 'lock timeout' END || '): next run')::outbox_internal._maint_row;
+            END;
+        END LOOP;
+    END LOOP;
+    PERFORM set_config('lock_timeout', old_timeout, true);
+    RETURN step;
+END
+$$;
+
+-- Phase 3: rows of a parent that landed in its default partition: reported (a WARNING) and moved
+-- into partitions made for them, at most budget partitions.
+CREATE OR REPLACE FUNCTION outbox_internal._maint_move_default(cfg outbox.partition_config,
+                                                        parts outbox.partitions[], budget int)
+RETURNS outbox_internal._maint_step
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    step    outbox_internal._maint_step := ROW('{}', 0, false);
+    lo_at   timestamptz;
+    created regclass;
+BEGIN
+    FOR lo_at IN EXECUTE format(
+            'SELECT DISTINCT outbox_internal._floor_time(%s, %L) FROM %s %s ORDER BY 1 LIMIT %s',
+            outbox_internal._key_time(cfg.parent), cfg.width,
+            (SELECT d.partition FROM unnest(parts) d WHERE d.parent = cfg.parent AND d.is_default),
+            CASE WHEN cfg.parent = 'inbox.messages'::regclass
+                 THEN outbox_internal._inbox_ids_to_move(cfg) ELSE '' END,
+            budget + 1)
+    LOOP
+        IF step.used = budget THEN
+            step.rows := step.rows || ROW('deferred', cfg.parent::text,
+                'rows of more partitions in the default partition than one run takes: the next run goes on')::outbox_internal._maint_row;
+            EXIT;
+        END IF;
+        step.used := step.used + 1;
+        created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
+        IF created IS NOT NULL THEN
+            step.changed := true;
+            RAISE WARNING 'outbox.maintain: rows of % were in its default partition; moved them to %',
+                cfg.parent, created;
+            step.rows := step.rows || ROW('moved', created::text, 'rows from the default partition')::outbox_internal._maint_row;
+        END IF;
+    END LOOP;
+    RETURN step;
+END
+$$;
+
+-- Phase 4: partitions ahead: the ranges no partition of the parent covers yet, found in one pass
+-- over the partitions (each _create_partition call reads them all again). The partitions of now
+-- and the next width are made whatever is left of the budget.
+CREATE OR REPLACE FUNCTION outbox_internal._maint_create_ahead(cfg outbox.partition_config,
+                                                        parts outbox.partitions[], budget int)
+RETURNS outbox_internal._maint_step
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    step    outbox_internal._maint_step := ROW('{}', 0, false);
+    lo_at   timestamptz;
+    created regclass;
+BEGIN
+    FOR lo_at IN
+        WITH existing AS (  -- what the partitions cover, as one value (not a scan per range)
+                 SELECT coalesce(range_agg(tstzrange(x.lower, x.upper)), '{}') AS covered
+                   FROM unnest(parts) x
+                  WHERE x.parent = cfg.parent AND NOT x.is_default
+                    AND x.upper > outbox_internal._floor_time(now(), cfg.width))
+        SELECT g FROM existing,
+                      generate_series(outbox_internal._floor_time(now(), cfg.width),
+                                      outbox_internal._floor_time(now(), cfg.width) + cfg.width * cfg.ahead,
+                                      cfg.width) AS g
+         WHERE NOT existing.covered @> tstzrange(g, g + cfg.width)
+         ORDER BY g LIMIT budget + 3
+    LOOP
+        IF step.used >= budget AND lo_at > outbox_internal._floor_time(now(), cfg.width) + cfg.width THEN
+            step.rows := step.rows || ROW('deferred', cfg.parent::text,
+                'more partitions to create than one run takes: the next run goes on')::outbox_internal._maint_row;
+            EXIT;
+        END IF;
+        step.used := least(step.used + 1, budget);
+        created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
+        IF created IS NOT NULL THEN
+            step.changed := true;
+            step.rows := step.rows || ROW('created', created::text, NULL)::outbox_internal._maint_row;
+        END IF;
+    END LOOP;
+    RETURN step;
+END
+$$;
+
+-- Phase 5: seal the past and record how far ahead events may be, so that claims skip the
+-- partitions they have read past and those ahead of now; forget inbox rows of the default
+-- partition past retention.
+CREATE OR REPLACE FUNCTION outbox_internal._maint_seal(parts outbox.partitions[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    PERFORM outbox_internal._seal(parts);
+    PERFORM outbox_internal._advance_reach(parts);
+    DELETE FROM inbox.messages_default m
+     WHERE m.received_at < now() - (SELECT c.retention FROM outbox.partition_config c
+                                     WHERE c.parent = 'inbox.messages'::regclass);
+END
+$$;
+
+-- Phase 6: cursor history (a minute of it is kept, for a look at what happened) and old marks.
+CREATE OR REPLACE FUNCTION outbox_internal._maint_trim() RETURNS SETOF outbox_internal._maint_row
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    n bigint;
+BEGIN
+    DELETE FROM outbox._cursor_log l
+     WHERE l.at < now() - interval '1 minute'
+       AND l.pos < (SELECT max(m.pos) FROM outbox._cursor_log m
+                     WHERE m.consumer_id = l.consumer_id AND m.shard = l.shard);
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n > 0 THEN
+        RETURN NEXT ROW('trimmed', 'outbox._cursor_log', n || ' old cursor rows')::outbox_internal._maint_row;
+    END IF;
+    DELETE FROM outbox._marks m
+     WHERE m.at < now() - interval '1 hour' AND m.top < (SELECT max(k.top) FROM outbox._marks k);
+END
+$$;
+
+-- The driver: each phase a function of its own, so that a change to one is one CREATE OR
+-- REPLACE in an upgrade script. A run drops, detaches, moves rows into or creates at most
+-- per_run partitions in all (oldest past retention first, nearest to now ahead; the partitions
+-- of now and the next width are made whatever is left): its locks stay bounded whatever the
+-- settings ask (ahead = 100000, a retention cut from a year to a day, rows of thousands of days
+-- in a default partition), where all at once would fail every run (out of shared memory). The
+-- rest waits for the next run, which the worker starts at once.
+CREATE OR REPLACE FUNCTION outbox.maintain()
+RETURNS TABLE (action text, relation text, detail text)
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    per_run CONSTANT int := 100;
+    budget  int := per_run;
+    -- the partitions, read once (reading outbox.partitions deparses every partition's bounds:
+    -- about 0.1 ms each), read again only after a phase changed them
+    parts   outbox.partitions[] := outbox_internal._partition_list();
+    cfg     outbox.partition_config;
+    step    outbox_internal._maint_step;
+    skipped text;
+BEGIN
+    IF pg_is_in_recovery() THEN
+        RETURN;  -- a replica follows its primary's maintenance
+    END IF;
+    skipped := outbox_internal._maint_lock();
+    IF skipped IS NOT NULL THEN
+        RETURN QUERY SELECT 'skipped', NULL::text, skipped;
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT * FROM outbox_internal._maint_rebase();
+    step := outbox_internal._maint_retire(parts, budget);
+    RETURN QUERY SELECT * FROM unnest(step.rows);
+    budget := budget - step.used;
+    FOR cfg IN SELECT * FROM outbox.partition_config LOOP
+        IF step.changed THEN
+            parts := outbox_internal._partition_list();
+        END IF;
+        step := outbox_internal._maint_move_default(cfg, parts, budget);
+        RETURN QUERY SELECT * FROM unnest(step.rows);
+        budget := budget - step.used;
+        IF step.changed THEN
+            parts := outbox_internal._partition_list();
+        END IF;
+        step := outbox_internal._maint_create_ahead(cfg, parts, budget);
+        RETURN QUERY SELECT * FROM unnest(step.rows);
+        budget := budget - step.used;
+    END LOOP;
+    IF step.changed THEN
+        parts := outbox_internal._partition_list();
+    END IF;
+    PERFORM outbox_internal._maint_seal(parts);
+    RETURN QUERY SELECT * FROM outbox_internal._maint_trim();
+END
+$$;
+
+REVOKE ALL ON FUNCTION outbox_internal._maint_lock(), outbox_internal._maint_rebase(),
+    outbox_internal._maint_retire(outbox.partitions[], int),
+    outbox_internal._maint_move_default(outbox.partition_config, outbox.partitions[], int),
+    outbox_internal._maint_create_ahead(outbox.partition_config, outbox.partitions[], int),
+    outbox_internal._maint_seal(outbox.partitions[]), outbox_internal._maint_trim() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox_internal._unpark_released(outbox.consumers, outbox._cursor_log) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox_internal._head_waits(outbox.consumers, text, text, interval, bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.pause_sink(text), outbox.resume_sink(text) FROM PUBLIC;

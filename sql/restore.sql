@@ -8,7 +8,7 @@
 --   - every restored event is committed (pg_dump reads only committed rows);
 --   - a restored event has a seq at most the restored event_seq, every event emitted after the
 --     restore a greater one (the sequence goes on from there).
--- So a cursor is rebased into two steps (see _advance and _open_window in sql/claim.sql): it
+-- So a cursor is rebased into two steps (see _advance and _open_window in sql/cursors.sql): it
 -- first finishes reading the dump's events in the dump's own ids — its windows as dumped, then
 -- one last window up to restored_top, a txid above every txid of the dump, under which every
 -- restored event is committed — pure comparisons between restored values; then it goes on

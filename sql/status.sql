@@ -1,6 +1,6 @@
 -- outbox_ext: what is left to deliver, per consumer and per shard, and why.
 --
--- What is pending is outbox_internal._pending's answer (sql/claim.sql), for the events above
+-- What is pending is outbox_internal._pending's answer (sql/cursors.sql), for the events above
 -- outbox_internal._pending_floor, which bounds the index scan. A view of it costs O(consumers x shards),
 -- however many events the log holds: each shard's pending events are counted exactly up to
 -- 500 and extrapolated beyond (outbox_internal._shard_pending).

@@ -13,22 +13,6 @@ use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 
-extension_sql_file!(
-    "../sql/restore.sql",
-    name = "restore",
-    requires = ["claim", "partitions"]
-);
-extension_sql_file!(
-    "../sql/drop_guard.sql",
-    name = "drop_guard",
-    requires = ["status"]
-);
-extension_sql_file!(
-    "../sql/dump.sql",
-    name = "dump",
-    requires = ["restore", "status", "sinks", "inbox", "partitions"]
-);
-
 #[unsafe(no_mangle)]
 pub extern "C" fn pg_finfo_outbox_guard_drop() -> &'static pg_sys::Pg_finfo_record {
     const V1: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };

@@ -8,15 +8,73 @@ mod claim;
 mod emit;
 mod errors;
 mod gucs;
-mod inbox;
-mod partitions;
 mod roles;
 mod sinks;
-mod status;
+mod threads;
 mod wake;
 mod worker;
 
 pgrx::pg_module_magic!();
+
+// The install script, part by part, in the order it runs: each part requires the one before
+// it, so this list is the order. Tables, types and functions are defined once, in these files;
+// an upgrade script (sql/outbox_ext--A--B.sql) carries what changed. Native functions
+// (#[pg_extern]) a part needs when it is created are named in its requires.
+use pgrx::extension_sql_file;
+extension_sql_file!("../sql/roles.sql", name = "roles", bootstrap);
+extension_sql_file!("../sql/inbox.sql", name = "inbox", requires = ["roles"]);
+extension_sql_file!(
+    "../sql/events.sql",
+    name = "events",
+    requires = ["inbox", emit::shard_count]
+);
+extension_sql_file!(
+    "../sql/consumers.sql",
+    name = "consumers",
+    requires = ["events"]
+);
+extension_sql_file!(
+    "../sql/cursors.sql",
+    name = "cursors",
+    requires = ["consumers"]
+);
+extension_sql_file!(
+    "../sql/parking.sql",
+    name = "parking",
+    requires = ["cursors"]
+);
+extension_sql_file!("../sql/claim.sql", name = "claim", requires = ["parking"]);
+extension_sql_file!("../sql/settle.sql", name = "settle", requires = ["claim"]);
+extension_sql_file!("../sql/replay.sql", name = "replay", requires = ["settle"]);
+extension_sql_file!(
+    "../sql/partitions.sql",
+    name = "partitions",
+    requires = ["replay"]
+);
+extension_sql_file!(
+    "../sql/restore.sql",
+    name = "restore",
+    requires = ["partitions"]
+);
+extension_sql_file!("../sql/sinks.sql", name = "sinks", requires = ["restore"]);
+extension_sql_file!("../sql/status.sql", name = "status", requires = ["sinks"]);
+extension_sql_file!("../sql/dump.sql", name = "dump", requires = ["status"]);
+extension_sql_file!(
+    "../sql/drop_guard.sql",
+    name = "drop_guard",
+    requires = ["dump"]
+);
+extension_sql_file!(
+    "../sql/emit.sql",
+    name = "emit",
+    requires = [
+        "drop_guard",
+        emit::batch_ids,
+        emit::uuid_v7,
+        emit::insert::insert_many
+    ]
+);
+extension_sql_file!("../sql/grants.sql", name = "grants", finalize);
 
 #[pgrx::pg_guard]
 pub extern "C-unwind" fn _PG_init() {

@@ -461,7 +461,7 @@ def test_relays_write_without_locking_the_consumers_row(db, connect, consumer):
 
 
 def test_drop_consumer_takes_its_cursors_parked_keys_and_dead_letters_and_no_one_elses(db, consumer):
-    """Cursor rows and parked keys have no foreign key to cascade from (sql/claim.sql says why):
+    """Cursor rows and parked keys have no foreign key to cascade from (sql/cursors.sql says why):
     drop_consumer deletes them itself, with the queues behind parked keys, and leaves the other
     consumers' alone."""
     db.execute("SELECT outbox.create_consumer('other', from_beginning => true)")

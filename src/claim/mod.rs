@@ -1,12 +1,12 @@
 //! Claims: consumers read the event log per shard, in commit order, under leases, with key
-//! isolation, retries and dead letters. Almost all of it is SQL (sql/claim.sql): relays in any
+//! isolation, retries and dead letters. Almost all of it is SQL (sql/consumers.sql, cursors.sql,
+//! parking.sql, claim.sql, settle.sql, replay.sql): relays in any
 //! language and the background worker call the same functions. Native parts: `result` makes
 //! outbox.claim's and outbox.settle_and_claim's results, `pruned` runs a claim's reads of the
 //! event log so that they lock only the partitions they may read, with the statements of
 //! `statements`.
 
 use pgrx::pg_sys;
-use pgrx::prelude::*;
 
 /// The version-1 call convention record PostgreSQL looks up for each C function.
 macro_rules! v1 {
@@ -22,8 +22,6 @@ macro_rules! v1 {
 mod pruned;
 mod result;
 mod statements;
-
-extension_sql_file!("../../sql/claim.sql", name = "claim", requires = ["events"]);
 
 /// Argument i of a call, as passed (where the function is STRICT, or the argument never NULL).
 unsafe fn arg(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> pg_sys::Datum {

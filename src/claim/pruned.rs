@@ -1,10 +1,10 @@
 //! Reads of the event log that lock only the partitions they may read, called from
-//! sql/claim.sql: a claim's page (`_claim_page`), a window's events for the parked path and
+//! sql/cursors.sql: a claim's page (`_claim_page`), a window's events for the parked path and
 //! settle (`_window_events`), the probe for events above a floor (`_any_events`) and the seq
 //! range of late transactions at a window's opening (`_late_range`).
 //!
 //! Why native: a statement on outbox.events planned once for the session (a generic plan, see
-//! sql/claim.sql) holds every partition, and each execution locks all of them and sets up
+//! sql/cursors.sql) holds every partition, and each execution locks all of them and sets up
 //! their pruning before it prunes: with 200 partitions, a third of a claim. These statements
 //! name the bounds of the partitions around the time range [since, until) they are given as
 //! constants instead, so the planner prunes the other partitions away and their plans, kept
@@ -12,7 +12,7 @@
 //! dropped invalidates the plans, which PostgreSQL then makes again. The bounds only widen
 //! [since, until), which the SQL functions called use only to prune: the rows are theirs
 //! (`_window` and the `_window_in_order` it calls, `_shards_with_events`, `_late_seqs`),
-//! defined once in sql/claim.sql.
+//! defined once in sql/cursors.sql.
 
 use super::result::RowReceiver;
 use super::statements::{column, connect, finish, run, Bounds, Param, Statement};
@@ -101,7 +101,7 @@ pub unsafe extern "C-unwind" fn outbox_claim_page(
     claim_page(fcinfo, false)
 }
 
-/// `_claim_page(cur, lim, owner, lease, since, until) RETURNS bigint` (sql/claim.sql): hands out
+/// `_claim_page(cur, lim, owner, lease, since, until) RETURNS bigint` (sql/cursors.sql): hands out
 /// at most lim events of the cursor's window after its position, in seq order, as claimed rows
 /// of epoch cur.epoch + 1, into the result of the claim in progress (result.rs), and, when
 /// there are any, writes the claim row leasing them to owner. Returns how many it handed out.

@@ -1,6 +1,6 @@
 //! A claim's result. outbox.claim and outbox.settle_and_claim are native so that the events a
 //! claim hands out go from the executor into the call's result once. Their bodies are PL/pgSQL
-//! (`_claim_body` and `_settle_and_claim_body` in sql/claim.sql); a page of a window, the bulk
+//! (`_claim_body` in sql/claim.sql and `_settle_and_claim_body` in sql/settle.sql); a page of a window, the bulk
 //! of every claim, is written by `_claim_page` (pruned.rs) straight into the result of the
 //! claim in progress, and the rows a body returns itself (the parked path's) follow it there.
 //! (Passed up through PL/pgSQL's RETURN QUERY, every row was copied again in each function on

@@ -10,17 +10,6 @@ use pgrx::prelude::*;
 use pgrx::{JsonB, Uuid};
 use serde_json::Value;
 
-extension_sql_file!(
-    "../../sql/events.sql",
-    name = "events",
-    requires = ["roles", shard_count]
-);
-extension_sql_file!(
-    "../../sql/emit.sql",
-    name = "emit",
-    requires = ["events", batch_ids, uuid_v7, insert::insert_many]
-);
-
 /// Shards events are spread over. Fixed: changing it would move keys between shards and break
 /// per-key order.
 pub const SHARD_COUNT: i32 = 16;

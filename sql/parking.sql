@@ -1,0 +1,175 @@
+-- outbox_ext: parking and dead letters — how a failing key blocks only itself.
+--
+-- A failure parks its key: the failed event and every later event of the key are copied, in
+-- order, into a small side queue (_parked_events) as the shard reads past them, and the shard
+-- goes on with other keys. The queue's head is retried with exponential backoff and jitter;
+-- after max_attempts it goes to outbox.dead_letters and the key moves on. When the queue is
+-- empty the key is unparked and flows with its shard again. A failure the sink never judged
+-- (settle's "attempted": false) parks the key the same way without counting an attempt.
+--
+-- Owns: outbox._parked, outbox._parked_events, outbox.dead_letters.
+-- Keeps: a key's queued events are its undelivered events, in order; only a transaction that
+-- holds the key's shard row changes them.
+--
+-- Name resolution (sql/grants.sql): the API functions are [pinned], helpers (outbox_internal._*) run
+-- [inside] them and do not pin search_path themselves: only the SECURITY DEFINER API functions
+-- call them, and those pin it. A SET clause on every helper would cost each call a GUC save and
+-- restore and a new search path lookup, about 5% of a claim.
+--
+-- Rerunnable: tables and indexes only where missing, functions replaced. A changed table needs
+-- its own ALTER in the upgrade script.
+
+CREATE TABLE IF NOT EXISTS outbox._parked (
+    consumer_id     int         NOT NULL,
+    aggregate_id    text        NOT NULL,
+    shard           int         NOT NULL,
+    attempts        int         NOT NULL DEFAULT 0,  -- failed attempts of the current head
+    next_attempt_at timestamptz NOT NULL,
+    last_error      text,
+    nacked_epoch    bigint,                          -- the batch that last failed the head
+    parked_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer_id, aggregate_id)  -- no foreign key: see _cursor_log
+);
+
+CREATE INDEX IF NOT EXISTS _parked_consumer_id_shard_next_attempt_at_idx
+    ON outbox._parked (consumer_id, shard, next_attempt_at);
+
+CREATE TABLE IF NOT EXISTS outbox._parked_events (
+    consumer_id    int         NOT NULL,
+    aggregate_id   text        NOT NULL,
+    pos            bigint      GENERATED ALWAYS AS IDENTITY,
+    id             uuid        NOT NULL,
+    topic          text,
+    aggregate_type text        NOT NULL,
+    event_type     text        NOT NULL,
+    payload        jsonb,
+    headers        jsonb,
+    created_at     timestamptz NOT NULL,
+    seq            bigint      NOT NULL,
+    PRIMARY KEY (consumer_id, aggregate_id, pos),
+    UNIQUE (consumer_id, id),
+    FOREIGN KEY (consumer_id, aggregate_id) REFERENCES outbox._parked ON DELETE CASCADE
+);
+
+CREATE TABLE IF NOT EXISTS outbox.dead_letters (
+    id             bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer       text        NOT NULL,
+    event_id       uuid        NOT NULL,
+    topic          text,
+    aggregate_type text        NOT NULL,
+    aggregate_id   text        NOT NULL,
+    event_type     text        NOT NULL,
+    payload        jsonb,
+    headers        jsonb,
+    created_at     timestamptz NOT NULL,
+    seq            bigint      NOT NULL,
+    attempts       int         NOT NULL,
+    last_error     text,
+    dead_at        timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE INDEX IF NOT EXISTS dead_letters_consumer_aggregate_id_id_idx
+    ON outbox.dead_letters (consumer, aggregate_id, id);
+
+COMMENT ON TABLE outbox.dead_letters IS
+    'Events a consumer gave up on after max_attempts, with the last error; outbox.replay re-queues them.';
+
+CREATE OR REPLACE FUNCTION outbox_internal._backoff(c outbox.consumers, attempts int) RETURNS interval
+    LANGUAGE sql VOLATILE
+    RETURN least(c.backoff_max, c.backoff_base * power(2, least(attempts - 1, 30)))
+           * (0.5 + random() / 2);
+
+-- The head of a parked key failed: count it, schedule the retry; past max_attempts (or at once
+-- when the failure is final) move the head to dead_letters and let the key move on.
+CREATE OR REPLACE FUNCTION outbox_internal._head_failed(c outbox.consumers, key text, error text,
+                                    retry_after interval, epoch bigint, final boolean) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    n int;
+BEGIN
+    UPDATE outbox._parked p
+       SET attempts = p.attempts + 1, last_error = error, nacked_epoch = epoch,
+           next_attempt_at = now() + coalesce(retry_after, outbox_internal._backoff(c, p.attempts + 1))
+     WHERE p.consumer_id = c.id AND p.aggregate_id = key
+    RETURNING p.attempts INTO n;
+    IF n < c.max_attempts AND NOT final THEN
+        RETURN;
+    END IF;
+    WITH head AS (
+        DELETE FROM outbox._parked_events q
+         WHERE (q.consumer_id, q.aggregate_id, q.pos) =
+               (SELECT h.consumer_id, h.aggregate_id, h.pos FROM outbox._parked_events h
+                 WHERE h.consumer_id = c.id AND h.aggregate_id = key ORDER BY h.pos LIMIT 1)
+        RETURNING q.*)
+    INSERT INTO outbox.dead_letters (consumer, event_id, topic, aggregate_type, aggregate_id,
+                                     event_type, payload, headers, created_at, seq, attempts, last_error)
+    SELECT c.name, h.id, h.topic, h.aggregate_type, h.aggregate_id, h.event_type, h.payload,
+           h.headers, h.created_at, h.seq, n, error
+      FROM head h;
+    UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
+     WHERE p.consumer_id = c.id AND p.aggregate_id = key;
+    PERFORM outbox_internal._unpark_if_empty(c.id, key);
+END
+$$;
+
+-- The head of a parked key was not attempted (the sink throttled, lacked its topic, ran out of
+-- time): nothing is counted and nothing dead-lettered; the retry is scheduled as if the
+-- current attempt had failed.
+CREATE OR REPLACE FUNCTION outbox_internal._head_waits(c outbox.consumers, key text, error text,
+                                              retry_after interval, epoch bigint) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    UPDATE outbox._parked p
+       SET last_error = error, nacked_epoch = epoch,
+           next_attempt_at = now() + coalesce(retry_after, outbox_internal._backoff(c, greatest(p.attempts, 1)))
+     WHERE p.consumer_id = c.id AND p.aggregate_id = key;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_internal._unpark_if_empty(consumer_id int, key text) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    DELETE FROM outbox._parked p
+     WHERE p.consumer_id = _unpark_if_empty.consumer_id AND p.aggregate_id = _unpark_if_empty.key
+       AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                        WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
+END
+$$;
+
+-- Copy events of parked keys into their queues (idempotent: a re-claim copies nothing twice).
+CREATE OR REPLACE FUNCTION outbox_internal._queue_parked(consumer_id int, events outbox.events[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+#variable_conflict use_column
+BEGIN
+    INSERT INTO outbox._parked_events AS q (consumer_id, aggregate_id, id, topic, aggregate_type,
+                                            event_type, payload, headers, created_at, seq)
+    SELECT _queue_parked.consumer_id, e.aggregate_id, e.id, e.topic, e.aggregate_type,
+           e.event_type, e.payload, e.headers, e.created_at, e.seq
+      FROM unnest(events) AS e
+     ORDER BY e.seq
+    ON CONFLICT (consumer_id, id) DO NOTHING;
+END
+$$;
+
+-- A batch given back (release) after nack parked keys of it: a key that this batch parked
+-- (its queue holds only events of this batch's page, none of them a parked head it handed out)
+-- is unparked, its queue dropped, as if the batch had never been claimed. The shard reads the
+-- page again, so the key's events come back in order: kept, the earlier ones would be queued
+-- behind the failed one. A key parked before (its head handed out and nacked) keeps its queue
+-- and the attempt counted.
+CREATE OR REPLACE FUNCTION outbox_internal._unpark_released(c outbox.consumers, cur outbox._cursor_log) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    DELETE FROM outbox._parked p
+     WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch
+       AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                        WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
+                          AND (q.id = ANY (cur.heads) OR q.seq <= coalesce(cur.after_seq, 0)
+                               OR q.seq > coalesce(cur.batch_end, 0)));
+END
+$$;

@@ -1,0 +1,48 @@
+-- outbox_ext: replay — dead letters back in their keys' queues.
+--
+-- Keeps: replayed events go behind anything already queued for their keys, in the order they
+-- died; the consumer's shards are held meanwhile, so no ack unparks a key being queued into.
+--
+-- Name resolution (sql/grants.sql): the API functions are [pinned], helpers (outbox_internal._*) run
+-- [inside] them and do not pin search_path themselves: only the SECURITY DEFINER API functions
+-- call them, and those pin it. A SET clause on every helper would cost each call a GUC save and
+-- restore and a new search path lookup, about 5% of a claim.
+
+CREATE OR REPLACE FUNCTION outbox.replay(consumer text, aggregate_id text DEFAULT NULL) RETURNS int
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    c outbox.consumers := outbox_internal._consumer(consumer);
+    n int;
+BEGIN
+    -- Hold every shard of the consumer so no ack unparks a key while we queue into it.
+    PERFORM FROM outbox._shards s WHERE s.consumer_id = c.id ORDER BY s.shard FOR UPDATE;
+    IF NOT FOUND THEN  -- dropped while we waited: its name's dead letters may be another's now
+        RAISE EXCEPTION 'consumer "%" does not exist', consumer
+            USING ERRCODE = 'undefined_object',
+                  HINT = 'It was dropped while outbox.replay waited for its shards.';
+    END IF;
+    INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+    SELECT DISTINCT c.id, d.aggregate_id, outbox.shard_of(d.aggregate_id), now()
+      FROM outbox.dead_letters d
+     WHERE d.consumer = c.name AND (replay.aggregate_id IS NULL OR d.aggregate_id = replay.aggregate_id)
+    ON CONFLICT DO NOTHING;
+    WITH moved AS (
+        DELETE FROM outbox.dead_letters d
+         WHERE d.consumer = c.name AND (replay.aggregate_id IS NULL OR d.aggregate_id = replay.aggregate_id)
+        RETURNING d.*)
+    INSERT INTO outbox._parked_events (consumer_id, aggregate_id, id, topic, aggregate_type,
+                                       event_type, payload, headers, created_at, seq)
+    SELECT c.id, m.aggregate_id, m.event_id, m.topic, m.aggregate_type, m.event_type, m.payload,
+           m.headers, m.created_at, m.seq
+      FROM moved m ORDER BY m.id
+    ON CONFLICT (consumer_id, id) DO NOTHING;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    RETURN n;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.replay(text, text) IS
+    'Re-queues a consumer''s dead letters (all, or of one key), in the order they died, behind '
+    'anything already queued for their keys; returns how many. Example: SELECT outbox.replay(''hook'');';

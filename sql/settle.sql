@@ -1,0 +1,425 @@
+-- outbox_ext: settling a batch — what became of each event of a claimed batch.
+--
+-- settle (ack, nack and reject are its thin forms; settle_and_claim also claims the next batch)
+-- owns the hold-back rule: a key's first failure in batch order fails the key, and its later
+-- events in the batch wait behind it whatever the relay said of them, so relays only report
+-- what failed. Failures park keys (sql/parking.sql); the rest is delivered and the shard's
+-- cursor moves past the batch (sql/cursors.sql).
+--
+-- Name resolution (sql/grants.sql): the API functions are [pinned], helpers (outbox_internal._*) run
+-- [inside] them and do not pin search_path themselves: only the SECURITY DEFINER API functions
+-- call them, and those pin it. A SET clause on every helper would cost each call a GUC save and
+-- restore and a new search path lookup, about 5% of a claim.
+--
+-- Rerunnable: tables and indexes only where missing, functions replaced. A changed table needs
+-- its own ALTER in the upgrade script.
+
+-- Settling a batch (outbox.settle; ack, nack and reject are its thin forms). A failure a relay
+-- reports, resolved against its batch: the event, its key and seq, and whether it is a parked
+-- key's head (handed out from the key's queue) or an event read from the shard's window.
+DO $type$
+BEGIN
+    CREATE TYPE outbox_internal._failure AS (
+        event_id     uuid,
+        aggregate_id text,
+        seq          bigint,
+        head         boolean,
+        error        text,
+        retry_after  interval,
+        final        boolean,
+        attempted    boolean   -- false: not sent (the sink's doing): the key waits, uncounted
+    );
+EXCEPTION WHEN duplicate_object THEN NULL;  -- rerun: the type is there
+END
+$type$;
+
+-- A failure's own arguments, checked before the batch is looked at.
+CREATE OR REPLACE FUNCTION outbox_internal._check_failure(event_id uuid, retry_after interval) RETURNS void
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    PERFORM outbox_internal._not_null(event_id IS NULL, 'event_id', 'settle, nack or reject');
+    IF retry_after IS NOT NULL THEN
+        PERFORM outbox_internal._check_interval(retry_after, 'retry_after', '30 days', true);
+    END IF;
+END
+$$;
+
+-- settle's failures argument, a JSON array of {"id", "error", "retry_after", "final",
+-- "attempted"}: checked, as unresolved failures. retry_after is a number of seconds or an
+-- interval's text; attempted (default true) false for an event the sink never judged.
+CREATE OR REPLACE FUNCTION outbox_internal._failures(failures jsonb) RETURNS outbox_internal._failure[]
+    LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    i    int := 0;
+    f    jsonb;
+    one  outbox_internal._failure;
+    list outbox_internal._failure[] := '{}';
+BEGIN
+    IF jsonb_typeof(failures) IS DISTINCT FROM 'array' THEN
+        RAISE EXCEPTION 'failures must be a JSON array'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass ''[]'' when every event was delivered.';
+    ELSIF jsonb_array_length(failures) = 0 THEN
+        RETURN list;  -- the common case, without the subtransaction below
+    END IF;
+    BEGIN
+        FOR f IN SELECT jsonb_array_elements(failures) LOOP
+            i := i + 1;
+            IF jsonb_typeof(f) <> 'object' OR f ->> 'id' IS NULL
+               OR f - ARRAY['id', 'error', 'retry_after', 'final', 'attempted'] <> '{}' THEN
+                RAISE EXCEPTION 'not an object with an id and nothing but error, retry_after, final and attempted'
+                    USING ERRCODE = 'invalid_parameter_value';
+            END IF;
+            one.event_id := (f ->> 'id')::uuid;
+            one.error := f ->> 'error';
+            one.retry_after := CASE jsonb_typeof(f -> 'retry_after')
+                                   WHEN 'number' THEN make_interval(secs => (f ->> 'retry_after')::float8)
+                                   ELSE (f ->> 'retry_after')::interval END;
+            one.final := coalesce((f -> 'final')::boolean, false);
+            one.attempted := coalesce((f -> 'attempted')::boolean, true);
+            IF one.final AND NOT one.attempted THEN
+                RAISE EXCEPTION 'a failure not attempted cannot be final'
+                    USING ERRCODE = 'invalid_parameter_value';
+            END IF;
+            PERFORM outbox_internal._check_failure(one.event_id, one.retry_after);
+            list := list || one;
+        END LOOP;
+    EXCEPTION WHEN data_exception THEN  -- a bad uuid, interval or boolean, or the checks above
+        RAISE EXCEPTION 'failure % of failures is invalid: %', i, SQLERRM
+            USING ERRCODE = 'invalid_parameter_value',
+                  DETAIL = format('It is %s.', f),
+                  HINT = 'A failure is {"id": "<event id>", "error": "<text>", "retry_after": '
+                         '<seconds or interval text, optional>, "final": <true to dead-letter it now, optional>, '
+                         '"attempted": <false when the sink never judged it, optional>}.';
+    END;
+    RETURN list;
+END
+$$;
+
+-- Find a failed event in its batch (batch: the window's events the claim handed out). NULL for a
+-- head that is settled already (a reject of this batch dead-lettered it).
+CREATE OR REPLACE FUNCTION outbox_internal._resolve(c outbox.consumers, cur outbox._cursor_log,
+                                           batch outbox.events[], f outbox_internal._failure)
+RETURNS outbox_internal._failure
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    f.head := coalesce(f.event_id = ANY (cur.heads), false);
+    IF f.head THEN
+        SELECT q.aggregate_id, q.seq INTO f.aggregate_id, f.seq FROM outbox._parked_events q
+         WHERE q.consumer_id = c.id AND q.id = f.event_id;
+        RETURN CASE WHEN FOUND THEN f END;
+    END IF;
+    SELECT b.aggregate_id, b.seq INTO f.aggregate_id, f.seq FROM unnest(batch) b WHERE b.id = f.event_id;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'event % is not in the batch of shard % with epoch %', f.event_id, cur.shard, cur.epoch
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Report only events that this claim returned.';
+    END IF;
+    RETURN f;
+END
+$$;
+
+-- The events of the batch a cursor holds out, read from its window.
+CREATE OR REPLACE FUNCTION outbox_internal._batch(cur outbox._cursor_log) RETURNS outbox.events[]
+    LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    since timestamptz := outbox_internal._window_since(cur, outbox_internal._newest_seal());
+    until timestamptz := outbox_internal._reach();
+BEGIN
+    RETURN ARRAY(SELECT w FROM outbox_internal._window_events(cur, cur.batch_end, NULL, since, until) w);
+END
+$$;
+
+-- Record a key's failure, f being its first failed event in the batch. A head counts a failed
+-- attempt of its queue (not when f was not attempted: then it only waits). An event of the
+-- window parks its key: it and the key's later events of the batch are queued, in order.
+-- Returns how many events of the batch this kept back.
+-- A failure of the key reported earlier for this batch (nack, reject) already queued or
+-- dead-lettered its events from some point on: reported again from there or after, nothing
+-- changes; from before it, the events in between would be acked unsent, so that is refused.
+CREATE OR REPLACE FUNCTION outbox_internal._fail_key(c outbox.consumers, cur outbox._cursor_log,
+                                            batch outbox.events[], f outbox_internal._failure) RETURNS int
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    later       outbox.events[];
+    parked      int;
+    key_events  uuid[];
+    failed_from bigint;
+BEGIN
+    IF NOT f.head THEN
+        key_events := ARRAY(SELECT b.id FROM unnest(batch) b WHERE b.aggregate_id = f.aggregate_id);
+        failed_from := least(
+            (SELECT min(q.seq) FROM outbox._parked_events q
+              WHERE q.consumer_id = c.id AND q.aggregate_id = f.aggregate_id AND q.id = ANY (key_events)),
+            (SELECT min(d.seq) FROM outbox.dead_letters d
+              WHERE d.consumer = c.name AND d.aggregate_id = f.aggregate_id AND d.event_id = ANY (key_events)));
+        IF f.seq < failed_from THEN
+            RAISE EXCEPTION 'event % comes before an event of its key already reported failed in this batch',
+                    f.event_id
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'Report a key''s failures in batch order, or all at once with outbox.settle.';
+        ELSIF failed_from IS NOT NULL THEN
+            RETURN 0;  -- the key failed in this batch already, from this event or before it
+        END IF;
+        INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+        VALUES (c.id, f.aggregate_id, cur.shard, now())
+        ON CONFLICT DO NOTHING;
+        GET DIAGNOSTICS parked = ROW_COUNT;
+        later := ARRAY(SELECT b FROM unnest(batch) b
+                        WHERE b.aggregate_id = f.aggregate_id AND b.seq >= f.seq ORDER BY b.seq);
+        PERFORM outbox_internal._queue_parked(c.id, later);
+        IF parked = 0 THEN
+            RETURN cardinality(later);  -- parked meanwhile (a replay): they wait behind its queue
+        END IF;
+    END IF;
+    IF f.attempted IS FALSE THEN
+        PERFORM outbox_internal._head_waits(c, f.aggregate_id, f.error, f.retry_after, cur.epoch);
+    ELSE
+        PERFORM outbox_internal._head_failed(c, f.aggregate_id, f.error, f.retry_after, cur.epoch, f.final);
+    END IF;
+    RETURN CASE WHEN f.head THEN 1 ELSE cardinality(later) END;
+END
+$$;
+
+-- _fail_key, and if recording the failure itself fails, the key parked with that reason in
+-- place of the relay's error and retried: the rest of the batch still settles, and the reason
+-- shows in outbox.status.last_error.
+CREATE OR REPLACE FUNCTION outbox_internal._fail_key_or_say_why(c outbox.consumers, cur outbox._cursor_log,
+                                                       batch outbox.events[], f outbox_internal._failure) RETURNS int
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    RETURN outbox_internal._fail_key(c, cur, batch, f);
+EXCEPTION WHEN OTHERS THEN
+    f.error := format('settling this failure failed: %s (the relay said: %s)', SQLERRM, left(f.error, 1000));
+    f.retry_after := NULL;
+    f.final := false;
+    RETURN outbox_internal._fail_key(c, cur, batch, f);
+END
+$$;
+
+-- The hold-back rule, in one place: a key's first failure in batch order fails the key, and its
+-- later events in the batch wait behind it whatever the relay said of them. The failures are
+-- recorded together; only if that fails, each on its own (a subtransaction each: kept for the
+-- rare case, as many of them slow every snapshot of the cluster). Returns the events kept back.
+CREATE OR REPLACE FUNCTION outbox_internal._fail_batch(c outbox.consumers, cur outbox._cursor_log,
+                                              failures outbox_internal._failure[]) RETURNS int
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    batch  outbox.events[] := outbox_internal._batch(cur);
+    firsts outbox_internal._failure[];
+    f      outbox_internal._failure;
+    kept   int := 0;
+BEGIN
+    -- Each failure is looked up among the batch's failed events, and each key's events among
+    -- the events of failed keys, both taken out of the batch in one pass: not a scan of the
+    -- whole batch per failure and per key.
+    firsts := ARRAY(SELECT DISTINCT ON (r.aggregate_id) r
+                      FROM unnest(failures) AS u,
+                           outbox_internal._resolve(c, cur, ARRAY(SELECT b FROM unnest(batch) b
+                                                                 WHERE b.id IN (SELECT v.event_id FROM unnest(failures) v)),
+                                                    u) AS r
+                     WHERE r.aggregate_id IS NOT NULL
+                     ORDER BY r.aggregate_id, r.seq);
+    batch := ARRAY(SELECT b FROM unnest(batch) b
+                    WHERE b.aggregate_id IN (SELECT k.aggregate_id FROM unnest(firsts) k)
+                    ORDER BY b.seq);
+    BEGIN
+        FOREACH f IN ARRAY firsts LOOP
+            kept := kept + outbox_internal._fail_key(c, cur, batch, f);
+        END LOOP;
+    EXCEPTION WHEN OTHERS THEN
+        kept := 0;
+        FOREACH f IN ARRAY firsts LOOP
+            kept := kept + outbox_internal._fail_key_or_say_why(c, cur, batch, f);
+        END LOOP;
+    END;
+    RETURN kept;
+END
+$$;
+
+-- The rest of a settled batch is delivered: parked heads handed out and not failed in this
+-- batch leave their queues, and the shard moves past the batch.
+CREATE OR REPLACE FUNCTION outbox_internal._deliver_rest(c outbox.consumers, cur outbox._cursor_log) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    keys text[];
+BEGIN
+    IF cardinality(cur.heads) > 0 THEN
+        -- set-based (a batch may hold hundreds of heads): out of their queues, their keys'
+        -- next heads due at once, and the keys whose queues are now empty unparked
+        WITH delivered AS (
+            DELETE FROM outbox._parked_events q
+             USING outbox._parked p
+             WHERE q.consumer_id = c.id AND q.id = ANY (cur.heads)
+               AND p.consumer_id = q.consumer_id AND p.aggregate_id = q.aggregate_id
+               AND p.nacked_epoch IS DISTINCT FROM cur.epoch
+            RETURNING q.aggregate_id)
+        SELECT array_agg(d.aggregate_id) INTO keys FROM delivered d;
+        UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
+         WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (keys);
+        DELETE FROM outbox._parked p
+         WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (keys)
+           AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                            WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
+    END IF;
+    PERFORM outbox_internal._append(outbox_internal._advance(cur, cur.batch_end, cur.exhausted));
+END
+$$;
+
+-- nack and reject: one event failed; the batch stays out until settle or ack.
+CREATE OR REPLACE FUNCTION outbox_internal._fail(consumer text, shard int, epoch bigint, event_id uuid, error text,
+                                        retry_after interval, final boolean) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    c     outbox.consumers := outbox_internal._consumer(consumer);
+    cur   outbox._cursor_log;
+    batch outbox.events[];
+    f     outbox_internal._failure := ROW(event_id, NULL, NULL, NULL, error, retry_after, final, true);
+BEGIN
+    PERFORM outbox_internal._check_failure(event_id, retry_after);
+    cur := outbox_internal._leased(c.id, shard, epoch);
+    batch := CASE WHEN event_id = ANY (cur.heads) THEN '{}' ELSE outbox_internal._batch(cur) END;
+    f := outbox_internal._resolve(c, cur, batch, f);
+    IF f.aggregate_id IS NOT NULL THEN
+        PERFORM outbox_internal._fail_key(c, cur, batch, f);
+    END IF;
+END
+$$;
+
+-- What settle, ack and settle_and_claim share: the leased batch's failures, then the rest.
+CREATE OR REPLACE FUNCTION outbox_internal._settle(c outbox.consumers, cur outbox._cursor_log,
+                                          failures outbox_internal._failure[]) RETURNS int
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    kept int := 0;
+BEGIN
+    IF cardinality(failures) > 0 THEN
+        kept := outbox_internal._fail_batch(c, cur, failures);
+    END IF;
+    PERFORM outbox_internal._deliver_rest(c, cur);
+    RETURN kept;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox.settle(consumer text, shard int, epoch bigint,
+                                         failures jsonb DEFAULT '[]') RETURNS int
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    c    outbox.consumers := outbox_internal._consumer(consumer);
+    list outbox_internal._failure[];
+BEGIN
+    PERFORM outbox_internal._not_null(failures IS NULL, 'failures', 'outbox.settle');
+    list := outbox_internal._failures(failures);
+    RETURN outbox_internal._settle(c, outbox_internal._leased(c.id, shard, epoch), list);
+END
+$$;
+
+COMMENT ON FUNCTION outbox.settle(text, int, bigint, jsonb) IS
+    'Finishes a claimed batch in one call. failures lists the events that failed, as a JSON array '
+    'of {"id", "error", "retry_after" (seconds or interval text, optional), "final" (true: '
+    'dead-letter now), "attempted" (false: not sent, e.g. the sink throttled; no attempt is '
+    'counted)}; a failed key''s later events in the batch wait behind it, in order, '
+    'whatever was said of them; every other event counts as delivered and the shard moves on. '
+    'Returns how many events were kept back. Example: SELECT outbox.settle(''hook'', 3, 17, '
+    '''[{"id": "0190...", "error": "HTTP 503", "retry_after": 30}]'');';
+
+-- outbox.settle_and_claim's body: what it returns, the page's rows aside (see outbox.claim).
+CREATE OR REPLACE FUNCTION outbox_internal._settle_and_claim_body(
+    consumer   text,
+    shard      int,
+    epoch      bigint,
+    failures   jsonb,
+    batch_size int,
+    lease      interval,
+    owner      text
+) RETURNS SETOF outbox.claimed
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    rebased boolean := outbox_internal._rebase_if_restored();  -- first: it may write
+    c       outbox.consumers := outbox_internal._consumer(consumer);
+    list    outbox_internal._failure[];
+    b       record;
+BEGIN
+    PERFORM outbox_internal._not_null(failures IS NULL, 'failures', 'outbox.settle_and_claim');
+    list := outbox_internal._failures(failures);
+    PERFORM outbox_internal._check_claim(batch_size, lease, 'outbox.settle_and_claim');
+    IF NOT rebased THEN
+        b := outbox_internal._claim_bound();  -- before settling writes anything
+    END IF;
+    PERFORM outbox_internal._settle(c, outbox_internal._leased(c.id, shard, epoch), list);
+    IF NOT rebased AND outbox_internal._may_have_work(c.id) THEN
+        RETURN QUERY SELECT * FROM outbox_internal._claim(c, batch_size, lease,
+                                                 coalesce(owner, 'backend ' || pg_backend_pid()), b.seq, b.x);
+    END IF;
+END
+$$;
+
+-- Made natively, as outbox.claim is.
+CREATE OR REPLACE FUNCTION outbox.settle_and_claim(
+    consumer   text,
+    shard      int,
+    epoch      bigint,
+    failures   jsonb    DEFAULT '[]',
+    batch_size int      DEFAULT 100,
+    lease      interval DEFAULT '30 seconds',
+    owner      text     DEFAULT NULL
+) RETURNS SETOF outbox.claimed
+    LANGUAGE c VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS 'MODULE_PATHNAME', 'outbox_settle_and_claim';
+
+COMMENT ON FUNCTION outbox.settle_and_claim(text, int, bigint, jsonb, int, interval, text) IS
+    'settle, then claim, in one call and one transaction: a relay''s loop in one round trip. '
+    'Example: SELECT * FROM outbox.settle_and_claim(''hook'', 3, 17, ''[]'', 100);';
+
+CREATE OR REPLACE FUNCTION outbox.ack(consumer text, shard int, epoch bigint) RETURNS void
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    c outbox.consumers := outbox_internal._consumer(consumer);
+BEGIN
+    PERFORM outbox_internal._settle(c, outbox_internal._leased(c.id, shard, epoch), '{}');
+END
+$$;
+
+COMMENT ON FUNCTION outbox.ack(text, int, bigint) IS
+    'settle with no failures: every event not nacked or rejected counts as delivered and the '
+    'shard moves on. Example: SELECT outbox.ack(''billing-webhook'', 3, 17);';
+
+CREATE OR REPLACE FUNCTION outbox.nack(consumer text, shard int, epoch bigint, event_id uuid, error text,
+                            retry_after interval DEFAULT NULL) RETURNS void
+    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+    RETURN outbox_internal._fail(consumer, shard, epoch, event_id, error, retry_after, false);
+
+COMMENT ON FUNCTION outbox.nack(text, int, bigint, uuid, text, interval) IS
+    'One failure of settle, reported on its own: the event''s key is parked (the shard goes on '
+    'without it) and retried with backoff, or after retry_after; call ack (or settle) afterwards '
+    'for the rest of the batch. '
+    'Example: SELECT outbox.nack(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 500'');';
+
+CREATE OR REPLACE FUNCTION outbox.reject(consumer text, shard int, epoch bigint, event_id uuid, error text)
+RETURNS void
+    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+    RETURN outbox_internal._fail(consumer, shard, epoch, event_id, error, NULL, true);
+
+COMMENT ON FUNCTION outbox.reject(text, int, bigint, uuid, text) IS
+    'A final failure of settle, reported on its own (e.g. HTTP 400): the event goes to '
+    'outbox.dead_letters at once and its key moves on; call ack (or settle) afterwards for the '
+    'rest of the batch. '
+    'Example: SELECT outbox.reject(''billing-webhook'', 3, 17, ''0190...''::uuid, ''HTTP 422'');';
