@@ -22,6 +22,9 @@ pub extern "C" fn pg_finfo_outbox_guard_drop() -> &'static pg_sys::Pg_finfo_reco
 /// The event trigger on DROP EXTENSION, DROP LANGUAGE and DROP OWNED (ddl_command_start, while
 /// our tables still exist): when the statement may drop outbox_ext and something would be lost,
 /// raise 2BP01 with what and how to proceed.
+// SAFETY: called by fmgr as the event trigger function outbox_internal._guard_drop
+// (sql/drop_guard.sql: LANGUAGE c, no arguments) in the DDL's transaction; context is
+// checked to be EventTriggerData before it is read.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_guard_drop(
@@ -58,6 +61,8 @@ pub unsafe extern "C-unwind" fn outbox_guard_drop(
 /// LANGUAGE naming plpgsql with CASCADE (outbox_ext's functions are written in PL/pgSQL, and a
 /// cascade that reaches an extension's member takes the whole extension); DROP OWNED BY the
 /// role that owns it. (DROP SCHEMA of its schemas PostgreSQL refuses by itself.)
+// SAFETY: tree is NULL or a node of the statement's parse tree, alive while the trigger
+// runs; each cast follows a check of its NodeTag.
 unsafe fn drops_outbox_ext(tree: *mut pg_sys::Node) -> bool {
     if tree.is_null() {
         return false;
@@ -90,6 +95,8 @@ unsafe fn drops_outbox_ext(tree: *mut pg_sys::Node) -> bool {
 }
 
 /// Whether a DROP statement names the object `name`.
+// SAFETY: stmt is a DropStmt of the parse tree; an object is read as a String only after
+// its tag is checked, and its sval is a NUL-terminated C string.
 unsafe fn names(stmt: *mut pg_sys::DropStmt, name: &[u8]) -> bool {
     let objects = pgrx::PgList::<pg_sys::Node>::from_pg((*stmt).objects);
     let named = objects.iter_ptr().any(|object| {

@@ -83,6 +83,8 @@ pub fn init() {
         GucContext::Suset,
         GucFlags::UNIT_BYTE,
     );
+    // SAFETY: in _PG_init, on the process's only thread, after the GUCs above are defined; the
+    // prefix is a static C string.
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"outbox_ext".as_ptr()) };
 }
 

@@ -47,8 +47,11 @@ impl Default for Workers {
 }
 
 // Only atomics inside: valid in shared memory as is.
+// SAFETY: integers and flags behind atomics; proc is a PGPROC's address, shared memory at
+// the same address in every process. Nothing points into one process's memory.
 unsafe impl PGRXSharedMemory for Workers {}
 
+// SAFETY: the name is unique in the server's shared memory (the extension's own prefix).
 static WORKERS: PgAtomic<Workers> = unsafe { PgAtomic::new(c"outbox_ext workers") };
 /// Set in the postmaster when preloading; inherited by every backend it forks.
 static SHARED: AtomicBool = AtomicBool::new(false);
@@ -56,11 +59,13 @@ static SHARED: AtomicBool = AtomicBool::new(false);
 static EMITTED: AtomicBool = AtomicBool::new(false);
 
 pub fn init() {
+    // SAFETY: a PostgreSQL global, read in _PG_init on the process's only thread.
     if !unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
         return;
     }
     pg_shmem_init!(WORKERS);
     SHARED.store(true, Ordering::Relaxed);
+    // SAFETY: in _PG_init; at_transaction_end is a static fn that ignores its (null) argument.
     unsafe { pg_sys::RegisterXactCallback(Some(at_transaction_end), std::ptr::null_mut()) };
 }
 
@@ -69,6 +74,8 @@ pub fn note_emit() {
     EMITTED.store(true, Ordering::Relaxed);
 }
 
+// SAFETY: called by PostgreSQL (RegisterXactCallback) at each transaction event, on the
+// backend's thread, where MyDatabaseId is this backend's (and below).
 #[pg_guard]
 unsafe extern "C-unwind" fn at_transaction_end(
     event: pg_sys::XactEvent::Type,
@@ -99,6 +106,8 @@ fn wake_worker(database: u32) {
         let proc = slot.proc.load(Ordering::Acquire) as *mut pg_sys::PGPROC;
         if !proc.is_null() {
             // A stale slot (worker gone, PGPROC reused) costs a spurious wake-up, nothing more.
+            // SAFETY: proc was a worker's MyProc: a PGPROC in shared memory, which lasts as long
+            // as the server, at the same address in every process.
             unsafe { pg_sys::SetLatch(&raw mut (*proc).procLatch) };
         }
     }
@@ -111,6 +120,7 @@ pub fn claim_database() -> bool {
     if !SHARED.load(Ordering::Relaxed) {
         return true; // not preloaded: no launcher either, so no second worker
     }
+    // SAFETY: process globals of a connected worker, read on its main thread (and below).
     let database = unsafe { pg_sys::MyDatabaseId }.to_u32();
     let me = unsafe { pg_sys::MyProcPid };
     let claimed = while_claiming(|slots| {
@@ -124,6 +134,7 @@ pub fn claim_database() -> bool {
             return Some(Err(holder));
         }
         slot.database.store(database, Ordering::Release);
+        // SAFETY: MyProc, this connected worker's PGPROC, read on its main thread.
         slot.proc
             .store(unsafe { pg_sys::MyProc } as usize, Ordering::Release);
         slot.pid.store(me, Ordering::Release);
@@ -131,6 +142,8 @@ pub fn claim_database() -> bool {
     });
     match claimed {
         Some(Ok(())) => {
+            // SAFETY: release_database is a static fn that ignores its argument; it runs at exit
+            // with shared memory still attached.
             unsafe { pg_sys::before_shmem_exit(Some(release_database), pg_sys::Datum::from(0)) };
             true
         }
@@ -157,6 +170,8 @@ pub fn is_served(database: u32) -> bool {
 }
 
 /// Lets go of the slot this worker holds: another worker may serve its database now.
+// SAFETY: called by PostgreSQL at the worker's exit (before_shmem_exit), on its main thread,
+// with shared memory still attached; MyProcPid is this process's (and below).
 #[pg_guard]
 unsafe extern "C-unwind" fn release_database(_code: std::ffi::c_int, _arg: pg_sys::Datum) {
     let me = unsafe { pg_sys::MyProcPid };

@@ -24,17 +24,22 @@ mod result;
 mod statements;
 
 /// Argument i of a call, as passed (where the function is STRICT, or the argument never NULL).
+// SAFETY: callers pass their own call's fcinfo and i below its nargs (their SQL declaration
+// has that many arguments).
 unsafe fn arg(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> pg_sys::Datum {
     (*(*fcinfo).args.as_ptr().add(i)).value
 }
 
 /// Argument i of a call, None when NULL.
+// SAFETY: as for arg: the current call's fcinfo, i below its nargs.
 unsafe fn nullable_arg(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> Option<pg_sys::Datum> {
     let a = *(*fcinfo).args.as_ptr().add(i);
     (!a.isnull).then_some(a.value)
 }
 
 /// Argument i's type, as the call site declared it.
+// SAFETY: fcinfo is the current call's, so flinfo is valid; get_fn_expr_argtype returns
+// InvalidOid when it cannot tell.
 unsafe fn arg_type(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> pg_sys::Oid {
     pg_sys::get_fn_expr_argtype((*fcinfo).flinfo, i as i32)
 }

@@ -34,11 +34,15 @@ v1!(
 
 /// A cursor (an outbox._cursor_log argument) as a flat row: PL/pgSQL passes its variable as
 /// an expanded record.
+// SAFETY: callers pass a non-NULL composite datum (a cursor argument); pg_detoast_datum
+// returns it flat, an expanded record flattened into a palloc'd copy.
 unsafe fn flat_cursor(cursor: pg_sys::Datum) -> pg_sys::HeapTupleHeader {
     pg_sys::pg_detoast_datum(cursor.cast_mut_ptr()) as pg_sys::HeapTupleHeader
 }
 
 /// A field of a flat cursor, which must not be NULL.
+// SAFETY: cursor is a flat row from flat_cursor; GetAttributeByName looks its row type up
+// and raises for a field it lacks.
 unsafe fn cursor_field(cursor: pg_sys::HeapTupleHeader, name: &CStr) -> pg_sys::Datum {
     let mut null = false;
     let value = pg_sys::GetAttributeByName(cursor, name.as_ptr(), &mut null);
@@ -49,6 +53,7 @@ unsafe fn cursor_field(cursor: pg_sys::HeapTupleHeader, name: &CStr) -> pg_sys::
 }
 
 /// A field of a flat cursor, None when NULL.
+// SAFETY: as for cursor_field: a flat row from flat_cursor.
 unsafe fn nullable_cursor_field(
     cursor: pg_sys::HeapTupleHeader,
     name: &CStr,
@@ -61,6 +66,9 @@ unsafe fn nullable_cursor_field(
 /// The parameters of Statement::InOrderPage: shard, epoch, and what `_window` passes to
 /// `_window_in_order` for a page (after its position, up to a restored cursor's last seq, at
 /// most lim).
+// SAFETY: cursor is a flat outbox._cursor_log row (sql/cursors.sql: lo_seq, after_seq and
+// restored_seq bigint, lo_top xid8, hi_snap pg_snapshot); hi_snap points into it, and the
+// caller keeps it until the statement has run.
 unsafe fn in_order_page_params(
     cursor: pg_sys::HeapTupleHeader,
     shard: pg_sys::Datum,
@@ -84,6 +92,7 @@ unsafe fn in_order_page_params(
 }
 
 /// The bounds around [since, until), arguments i and i + 1 of a call.
+// SAFETY: the callers' functions are STRICT, with timestamptz arguments i and i + 1.
 unsafe fn bounds_of(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> Bounds {
     window_bounds(
         arg(fcinfo, i).value() as i64,
@@ -93,6 +102,8 @@ unsafe fn bounds_of(fcinfo: pg_sys::FunctionCallInfo, i: usize) -> Bounds {
 
 /// `_claim_page` of 0.16.0's SQL (`RETURNS SETOF outbox.claimed`) and 0.17.0's (`RETURNS
 /// bigint`), which have no `_window_in_order`: every page is read through `_window`.
+// SAFETY: called by fmgr for _claim_page of 0.16.0's and 0.17.0's SQL (LANGUAGE c, STRICT,
+// the six arguments claim_page reads), in a transaction on the backend's thread.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_claim_page(
@@ -105,6 +116,8 @@ pub unsafe extern "C-unwind" fn outbox_claim_page(
 /// at most lim events of the cursor's window after its position, in seq order, as claimed rows
 /// of epoch cur.epoch + 1, into the result of the claim in progress (result.rs), and, when
 /// there are any, writes the claim row leasing them to owner. Returns how many it handed out.
+// SAFETY: called by fmgr for outbox_internal._claim_page (sql/cursors.sql: LANGUAGE c,
+// STRICT, the six arguments claim_page reads), in a transaction on the backend's thread.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_claim_page_0_18(
@@ -115,6 +128,8 @@ pub unsafe extern "C-unwind" fn outbox_claim_page_0_18(
 
 /// A claim's page; in_order_alone: when the cursor has no late range, read only its events in
 /// commit order (`_window_in_order`), with the cursor's fields as values.
+// SAFETY: fcinfo is _claim_page's (STRICT: its six arguments are not NULL); page lives on
+// this frame until its statements have run, and connect is paired with finish.
 unsafe fn claim_page(fcinfo: pg_sys::FunctionCallInfo, in_order_alone: bool) -> pg_sys::Datum {
     let cursor_type = arg_type(fcinfo, 0);
     let bounds = bounds_of(fcinfo, 4);
@@ -175,6 +190,9 @@ unsafe fn claim_page(fcinfo: pg_sys::FunctionCallInfo, in_order_alone: bool) -> 
 /// `_window_events(cur, upto, lim, since, until) RETURNS SETOF outbox.events`: `_window`'s
 /// events of the cursor's window after its position, up to seq upto and at most lim (NULL:
 /// all), in seq order.
+// SAFETY: called by fmgr for outbox_internal._window_events (sql/cursors.sql: LANGUAGE c,
+// SETOF, five arguments, not STRICT: each read as nullable), in a transaction on the
+// backend's thread; rows lives on this frame until the statement has run.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_window_events(
@@ -212,6 +230,8 @@ pub unsafe extern "C-unwind" fn outbox_window_events(
 
 /// `_any_events(shards int[], floors bigint[], since, until) RETURNS boolean`: whether any
 /// of the shards has an event above its floor, made in [since, until).
+// SAFETY: called by fmgr for outbox_internal._any_events (sql/cursors.sql: LANGUAGE c,
+// STRICT, int[], bigint[] and two timestamptz), in a transaction on the backend's thread.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_any_events(
@@ -236,6 +256,8 @@ pub unsafe extern "C-unwind" fn outbox_any_events(
 /// `_late_range(shard, floor_seq, seq_end, txids xid8[], since, until) RETURNS bigint[]`: the
 /// least and greatest seq of the shard's events of those transactions in (floor_seq,
 /// seq_end], made in [since, until); NULLs when there are none.
+// SAFETY: called by fmgr for outbox_internal._late_range (sql/cursors.sql: LANGUAGE c,
+// STRICT, six arguments), in a transaction on the backend's thread.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_late_range(
@@ -264,6 +286,9 @@ pub unsafe extern "C-unwind" fn outbox_late_range(
 /// The bounds of outbox.events' partitions around [since, until): the greatest at or below
 /// since and the least at or above until, rounded outwards to whole seconds (the statements
 /// name them with to_timestamp, which takes seconds).
+// SAFETY: in a transaction; outbox.events is open (its lock kept) while its bounds are
+// read, and is PARTITION BY RANGE (created_at) (sql/events.sql): kind and datums have
+// ndatums entries.
 unsafe fn window_bounds(since: i64, until: i64) -> Bounds {
     use pg_sys::PartitionRangeDatumKind::PARTITION_RANGE_DATUM_VALUE;
     let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), false);

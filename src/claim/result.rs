@@ -39,6 +39,8 @@ thread_local! {
 }
 
 /// `outbox.claim(consumer text, batch_size int, lease interval, owner text)`.
+// SAFETY: called by fmgr for outbox.claim (sql/claim.sql: LANGUAGE c, SETOF, four arguments
+// of the types below), in a transaction on the backend's thread; run_body checks nargs.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
@@ -52,6 +54,9 @@ pub unsafe extern "C-unwind" fn outbox_claim(fcinfo: pg_sys::FunctionCallInfo) -
 
 /// `outbox.settle_and_claim(consumer text, shard int, epoch bigint, failures jsonb,
 /// batch_size int, lease interval, owner text)`.
+// SAFETY: called by fmgr for outbox.settle_and_claim (sql/settle.sql: LANGUAGE c, SETOF,
+// seven arguments of the types below), in a transaction on the backend's thread; run_body
+// checks nargs.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_settle_and_claim(
@@ -72,6 +77,9 @@ pub unsafe extern "C-unwind" fn outbox_settle_and_claim(
 
 /// Runs a claim's body with the call's arguments (of the given types), as the claim in
 /// progress: the rows of its page and the rows it returns make the call's result.
+// SAFETY: fcinfo is a set-returning call's, its arguments of these types (their count
+// checked below); rows (dest) outlives the statement, and the claim is unset again when
+// this returns or unwinds (InProgress), so no page writes into a finished call's result.
 unsafe fn run_body(
     fcinfo: pg_sys::FunctionCallInfo,
     body: Statement,
@@ -152,6 +160,8 @@ pub struct RowReceiver {
 impl RowReceiver {
     /// A receiver for the result of a set-returning call, in materialize mode, as the row type
     /// the call declares.
+    // SAFETY: fcinfo is a set-returning call's; InitMaterializedSRF raises unless the caller
+    // takes a materialized set of a known row type, and sets setResult and setDesc.
     pub unsafe fn for_result(fcinfo: pg_sys::FunctionCallInfo) -> RowReceiver {
         pg_sys::InitMaterializedSRF(fcinfo, pg_sys::MAT_SRF_USE_EXPECTED_DESC as _);
         let result = (*fcinfo).resultinfo as *mut pg_sys::ReturnSetInfo;
@@ -163,6 +173,8 @@ impl RowReceiver {
 
     /// A receiver for the result of the claim in progress (outbox.claim's or
     /// outbox.settle_and_claim's), in the subtransaction the claim runs in.
+    // SAFETY: CLAIM is set only while run_body runs up the stack (InProgress), so the claim's
+    // tuplestore and row type, in its call's per-query memory, are still there.
     pub unsafe fn for_claim() -> RowReceiver {
         match CLAIM.with(Cell::get) {
             Some(claim) if claim.subtransaction == pg_sys::GetCurrentSubTransactionId() => {
@@ -192,6 +204,9 @@ impl RowReceiver {
 
 /// Checks that the statement's rows have the result's row type, column for column (a column
 /// dropped from it would shift every later one), and finds seq.
+// SAFETY: called by the executor (through SPI) as rStartup of a RowReceiver from here:
+// dest points to it (repr(C), the DestReceiver first), on a frame that outlives the
+// statement; rows is the statement's tuple descriptor.
 #[pg_guard]
 unsafe extern "C-unwind" fn startup(
     dest: *mut pg_sys::DestReceiver,
@@ -215,6 +230,8 @@ unsafe extern "C-unwind" fn startup(
     }
 }
 
+// SAFETY: called by the executor for each row, after startup on the same dest: seq_column
+// is at least 1, the slot has the result's row type, and target.store is alive.
 #[pg_guard]
 unsafe extern "C-unwind" fn receive_slot(
     slot: *mut pg_sys::TupleTableSlot,
@@ -232,4 +249,5 @@ unsafe extern "C-unwind" fn receive_slot(
 }
 
 // no pg_guard: it does nothing that could raise or panic
+// SAFETY: the executor may call it as rShutdown or rDestroy; it reads nothing.
 unsafe extern "C-unwind" fn nothing(_: *mut pg_sys::DestReceiver) {}

@@ -97,12 +97,15 @@ thread_local! {
     static RUNNING: Cell<u32> = const { Cell::new(0) };
 }
 
+// SAFETY: callers are in a transaction on the backend's thread and call finish before
+// returning (after an ERROR, the abort ends the connection).
 pub unsafe fn connect() {
     if pg_sys::SPI_connect() != pg_sys::SPI_OK_CONNECT as i32 {
         error!("outbox_ext: SPI_connect failed");
     }
 }
 
+// SAFETY: callers connected earlier in the same call and use nothing of SPI's memory after.
 pub unsafe fn finish() {
     if pg_sys::SPI_finish() != pg_sys::SPI_OK_FINISH as i32 {
         error!("outbox_ext: SPI_finish failed");
@@ -110,6 +113,8 @@ pub unsafe fn finish() {
 }
 
 /// Column i (from 1) of the one row the last statement returned into SPI_tuptable (by value).
+// SAFETY: callers are between connect and finish, after run with a null dest: SPI_tuptable
+// is checked to hold one row (SPI_getbinval answers NULL for a column it lacks).
 pub unsafe fn column(i: i32) -> Option<pg_sys::Datum> {
     let table = pg_sys::SPI_tuptable;
     if table.is_null() || pg_sys::SPI_processed != 1 {
@@ -122,6 +127,9 @@ pub unsafe fn column(i: i32) -> Option<pg_sys::Datum> {
 
 /// Runs a kept statement (prepared on first use) with the given parameters, into `dest` (or
 /// SPI_tuptable when null). read_only: in the caller's snapshot, for reads.
+// SAFETY: callers are between connect and finish, each param's datum of its type and alive
+// until this returns, dest null or a RowReceiver that outlives it; the plan is a kept one
+// that prepare frees only while no statement of ours runs.
 pub unsafe fn run(
     statement: Statement,
     params: &[Param],
@@ -176,6 +184,9 @@ impl Drop for Running {
 
 /// Prepares and keeps a statement; when too many are kept and none is running, the others
 /// but claims' bodies (one of which may be running) go first.
+// SAFETY: between connect and finish (SPI_prepare needs the connection); SPI_keepplan moves
+// the plan out of SPI's memory. Plans are freed only when RUNNING is 0, so none that is
+// executing is freed (claims' bodies, not counted, never are).
 unsafe fn prepare(statement: Statement, params: &[Param]) -> pg_sys::SPIPlanPtr {
     let text = CString::new(sql(statement)).expect("no NUL in SQL");
     let mut types: Vec<pg_sys::Oid> = params.iter().map(|(t, _)| *t).collect();

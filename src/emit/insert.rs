@@ -40,6 +40,8 @@ const CHUNK: usize = 100;
 // What computes the column values as the plain INSERT does: nextval (its permission check
 // done once per batch, in Target::open) and the C function behind hashtextextended(text,
 // bigint), called through DirectFunctionCall, which pgrx guards. Both may raise an ERROR.
+// SAFETY: as PostgreSQL declares them (commands/sequence.h, utils/fmgrprotos.h):
+// int64 nextval_internal(Oid, bool) and Datum hashtextextended(PG_FUNCTION_ARGS).
 unsafe extern "C-unwind" {
     fn nextval_internal(relid: pg_sys::Oid, check_permissions: bool) -> i64;
     fn hashtextextended(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum;
@@ -123,6 +125,8 @@ struct Elements {
 }
 
 impl Elements {
+    // SAFETY: callers pass an array datum (possibly toasted) of elem_type, within the call:
+    // the detoasted copy, datums and nulls are palloc'd there and outlive the Elements.
     unsafe fn of(array: *mut pg_sys::varlena, elem_type: pg_sys::Oid) -> Elements {
         let array = pg_sys::pg_detoast_datum(array) as *mut pg_sys::ArrayType;
         let (mut typlen, mut byval, mut align) = (0, false, 0);
@@ -186,6 +190,8 @@ pub(super) struct Target {
 impl Target {
     /// Opens the partition that holds now(), or returns None (nothing locked beyond what a
     /// plain INSERT would lock) when the SQL path must write.
+    // SAFETY: callers are in a transaction on the backend's thread (catalog lookups, locks),
+    // and write and close the Target in that same call.
     pub unsafe fn open() -> Option<Target> {
         let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
         let parent_oid = pg_sys::get_relname_relid(c"events".as_ptr(), nsp);
@@ -230,6 +236,9 @@ impl Target {
 
     /// Writes one row per id, in order (the seqs are taken in that order, after the xid);
     /// `row(i)` gives the i-th row's key (not NULL) and payload.
+    // SAFETY: callers pass an open Target and datums of the columns' types (the key not NULL),
+    // alive until it returns; open checked the partition's 11 columns and its multi_insert, so
+    // every slot has 11 values and nulls.
     pub unsafe fn write(
         &self,
         fixed: &Fixed,
@@ -284,6 +293,8 @@ impl Target {
         }
     }
 
+    // SAFETY: in the transaction of open, which checked USAGE and UPDATE on the sequence; its
+    // ERROR comes back through pgrx's guard.
     unsafe fn next_seq(&self) -> pg_sys::Datum {
         let seq = self.seq;
         pg_sys::Datum::from(pg_sys::ffi::pg_guard_ffi_boundary(|| {
@@ -291,6 +302,8 @@ impl Target {
         }))
     }
 
+    // SAFETY: slot was just stored into self.part by multi_insert (its tid set), whose indexes
+    // open opened in self.rri; the per-tuple memory reset holds only what index insertion made.
     unsafe fn insert_index_entries(&self, slot: *mut pg_sys::TupleTableSlot) {
         #[cfg(feature = "pg15")]
         let recheck = pg_sys::ExecInsertIndexTuples(
@@ -323,6 +336,7 @@ impl Target {
     }
 
     /// Closes what open opened; the locks stay until the transaction ends, as an INSERT's do.
+    // SAFETY: self comes from open, in this transaction, and is consumed: nothing closes twice.
     pub unsafe fn close(self) {
         pg_sys::ExecCloseIndices(self.rri);
         pg_sys::FreeExecutorState(self.estate);
@@ -332,6 +346,8 @@ impl Target {
 }
 
 /// outbox.shard_of, as sql/events.sql defines it: hashtextextended(key, 0) modulo the count.
+// SAFETY: callers pass a non-NULL text datum, which hashtextextended (V1, text and bigint)
+// detoasts itself; its ERROR comes back through pgrx's guard.
 unsafe fn shard_of(key: pg_sys::Datum) -> i32 {
     let hash = pg_sys::DirectFunctionCall2Coll(
         Some(hashtextextended),
@@ -348,6 +364,8 @@ unsafe fn shard_of(key: pg_sys::Datum) -> i32 {
 /// get_partition_for_tuple finds it: the one after the greatest bound at or below `at`. None
 /// for the default partition too: a concurrent ATTACH may be narrowing its range, which only
 /// the executor's check of the default partition's constraint sees.
+// SAFETY: parent is open and locked; outbox.events is PARTITION BY RANGE (created_at)
+// (sql/events.sql), so boundinfo has ndatums kinds and datums and ndatums + 1 indexes.
 unsafe fn partition_for(parent: pg_sys::Relation, at: pg_sys::TimestampTz) -> Option<pg_sys::Oid> {
     use pg_sys::PartitionRangeDatumKind::*;
     if (*(*parent).rd_rel).relkind as u8 != pg_sys::RELKIND_PARTITIONED_TABLE {
@@ -379,6 +397,7 @@ unsafe fn partition_for(parent: pg_sys::Relation, at: pg_sys::TimestampTz) -> Op
 
 /// Whether writing rows straight into `rel` skips nothing a plain INSERT would do: no trigger
 /// that would fire, no row security, no CHECK constraints or generated columns.
+// SAFETY: rel is open and locked: its relcache entry (rd_att, rd_rel, constr) is valid.
 unsafe fn plain_insert_ok(rel: pg_sys::Relation) -> bool {
     let constr = (*(*rel).rd_att).constr;
     no_trigger_fires(rel)
@@ -390,6 +409,8 @@ unsafe fn plain_insert_ok(rel: pg_sys::Relation) -> bool {
 /// fires no row here: it is off on this partition, or `rel` is the partitioned table, whose
 /// row triggers fire on its partitions only. A partition whose reach trigger is on (its time
 /// lies ahead) takes the SQL path, which fires it.
+// SAFETY: rel is open and locked; a non-NULL trigdesc has numtriggers triggers, each with
+// a NUL-terminated tgname.
 unsafe fn no_trigger_fires(rel: pg_sys::Relation) -> bool {
     let desc = (*rel).trigdesc;
     if desc.is_null() {
@@ -405,6 +426,8 @@ unsafe fn no_trigger_fires(rel: pg_sys::Relation) -> bool {
 
 /// Whether `rel` is a heap-like table with the events' columns and types, in order, and NOT
 /// NULL only where rows always have a value.
+// SAFETY: rel is open and locked; rd_att has natts attributes, borrowed from the relcache
+// (from_pg_unchecked does not release it).
 unsafe fn has_event_columns(rel: pg_sys::Relation) -> bool {
     let desc = (*rel).rd_att;
     if (*(*rel).rd_rel).relkind as u8 != pg_sys::RELKIND_RELATION

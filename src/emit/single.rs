@@ -30,6 +30,9 @@ pub extern "C" fn pg_finfo_outbox_emit() -> &'static pg_sys::Pg_finfo_record {
 /// `outbox.emit(aggregate_type, aggregate_id, event_type, payload, headers, topic)`. Declared
 /// by hand in sql/emit.sql: through `#[pg_extern]`, pgrx would turn the payload into a serde
 /// value and back.
+// SAFETY: called by fmgr for outbox.emit(text, text, text, jsonb, jsonb, text) (sql/emit.sql,
+// LANGUAGE c, V1), in a transaction on the backend's thread: fcinfo has those six arguments,
+// NULLs flagged; check_event raises for a NULL required one.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_emit(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
@@ -75,6 +78,8 @@ struct AsUser {
 }
 
 impl AsUser {
+    // SAFETY: only sets backend globals; callers keep the AsUser for the scope, whose drop
+    // restores them (an abort would too).
     unsafe fn switch_to(user: pg_sys::Oid) -> AsUser {
         let (mut saved_user, mut saved_context) = (pg_sys::InvalidOid, 0);
         pg_sys::GetUserIdAndSecContext(&mut saved_user, &mut saved_context);
@@ -94,6 +99,8 @@ impl Drop for AsUser {
     }
 }
 
+// SAFETY: in a transaction (syscache); the tuple is checked non-NULL and released after its
+// fixed-width proowner is read.
 unsafe fn function_owner(function: pg_sys::Oid) -> pg_sys::Oid {
     let tuple = pg_sys::SearchSysCache1(
         pg_sys::SysCacheIdentifier::PROCOID as _,
@@ -108,6 +115,7 @@ unsafe fn function_owner(function: pg_sys::Oid) -> pg_sys::Oid {
 }
 
 /// The event through `outbox.emit_many`'s plain INSERT, for tables the native path declines.
+// SAFETY: fcinfo is outbox.emit's (see outbox_emit), its six arguments of those types.
 unsafe fn emit_by_sql(fcinfo: pg_sys::FunctionCallInfo) -> Uuid {
     let arg = |n, oid| {
         let value =

@@ -41,6 +41,7 @@ const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// Registers the launcher; a no-op unless loaded through shared_preload_libraries.
 pub fn init() {
+    // SAFETY: PostgreSQL globals, read in _PG_init on the process's only thread (and below).
     if !unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
         return;
     }
@@ -113,6 +114,8 @@ pub extern "C-unwind" fn outbox_ext_launcher_main(_arg: pg_sys::Datum) {
     // Status 1, as PostgreSQL's own launchers exit on SIGTERM: the postmaster starts it again
     // after its restart time unless the server is shutting down. With status 0 a launcher
     // stopped by pg_terminate_backend would stay away, and no worker would be restarted.
+    // SAFETY: on the launcher's main thread, outside any transaction; proc_exit does not return,
+    // and the Rust values above are only leaked.
     unsafe { pg_sys::proc_exit(1) };
 }
 
@@ -122,6 +125,8 @@ fn is_running(worker: &DynamicBackgroundWorker) -> bool {
 
 /// The database's oid if it exists and accepts connections.
 fn database_oid(db: &str) -> Option<u32> {
+    // SAFETY: tuple is the scan's current pg_database row; datname (a NUL-terminated NameData),
+    // datallowconn and oid are fixed-width columns of its struct.
     find_in_shared_catalog(pg_sys::DatabaseRelationId, |tuple| unsafe {
         let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_database>(tuple);
         let name = std::ffi::CStr::from_ptr((*form).datname.data.as_ptr());
@@ -133,6 +138,8 @@ fn database_oid(db: &str) -> Option<u32> {
 
 /// True if the role exists (a worker cannot connect as a role that does not).
 fn role_exists(role: &str) -> bool {
+    // SAFETY: tuple is the scan's current pg_authid row; rolname, a NUL-terminated NameData, is
+    // a fixed-width column of its struct.
     find_in_shared_catalog(pg_sys::AuthIdRelationId, |tuple| unsafe {
         let form = pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_authid>(tuple);
         let name = std::ffi::CStr::from_ptr((*form).rolname.data.as_ptr());
@@ -150,6 +157,8 @@ fn find_in_shared_catalog<T>(
         + std::panic::UnwindSafe
         + std::panic::RefUnwindSafe,
 ) -> Option<T> {
+    // SAFETY: in the launcher's transaction; catalog is a shared heap catalog, readable with no
+    // database; each tuple is used before the next heap_getnext, the scan ended before closing.
     BackgroundWorker::transaction(move || unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
         let rel = pg_sys::table_open(catalog, lock);
@@ -176,6 +185,7 @@ fn start_worker(db: &str) -> Option<DynamicBackgroundWorker> {
         .set_extra(db)
         .enable_spi_access()
         .set_restart_time(None) // the launcher restarts it, after checking its database exists
+        // SAFETY: MyProcPid is set at process start; read on the launcher's main thread.
         .set_notify_pid(unsafe { pg_sys::MyProcPid })
         .load_dynamic()
         .ok()
@@ -307,6 +317,8 @@ enum Upkeep {
 
 /// Runs outbox.maintain() in a transaction of its own and logs what it did.
 fn maintain() -> Upkeep {
+    // SAFETY: on the worker's main thread; RecoveryInProgress reads shared state, no
+    // transaction needed.
     if unsafe { pg_sys::RecoveryInProgress() } {
         return Upkeep::Done; // a standby: partitions follow the primary's
     }
@@ -356,6 +368,8 @@ fn maintain() -> Upkeep {
 fn reload_on_sighup() -> bool {
     let hup = BackgroundWorker::sighup_received();
     if hup {
+        // SAFETY: on the process's main thread, between transactions, as PostgreSQL's own processes
+        // reread the configuration after SIGHUP.
         unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
     }
     hup
@@ -365,6 +379,8 @@ fn reload_on_sighup() -> bool {
 /// nothing resets. (pgrx's sigterm_received() clears its flag: of two places that ask, the
 /// second would never hear of the signal, and the worker would not stop.)
 pub fn stop_requested() -> bool {
+    // SAFETY: a sig_atomic_t only the SIGTERM handler writes; handlers and callers run on the
+    // main thread (our threads block signals). Read by address, volatile, with no reference.
     unsafe { std::ptr::read_volatile(&raw const pg_sys::ShutdownRequestPending) != 0 }
 }
 
@@ -376,6 +392,8 @@ pub fn report_activity(what: &str) {
         pg_sys::BackendState::STATE_RUNNING
     };
     if let Ok(text) = CString::new(what) {
+        // SAFETY: on the process's main thread; the text is copied into shared memory during the
+        // call, which it outlives.
         unsafe { pg_sys::pgstat_report_activity(state, text.as_ptr()) };
     }
 }

@@ -32,6 +32,7 @@ static RESTRICTED: AtomicBool = AtomicBool::new(false);
 pub fn restrict() {
     if RESTRICTED.load(Ordering::Relaxed) {
         let sro = pg_sys::SECURITY_RESTRICTED_OPERATION as i32;
+        // SAFETY: only sets backend globals, once connected (RESTRICTED), on the main thread.
         unsafe { pg_sys::SetUserIdAndSecContext(pg_sys::GetUserId(), sro) };
     }
 }
@@ -39,6 +40,7 @@ pub fn restrict() {
 /// Before a commit: back to no security context, as PostgreSQL expects between transactions.
 pub fn unrestrict() {
     if RESTRICTED.load(Ordering::Relaxed) {
+        // SAFETY: only sets backend globals, once connected (RESTRICTED), on the main thread.
         unsafe { pg_sys::SetUserIdAndSecContext(pg_sys::GetUserId(), 0) };
     }
 }
@@ -51,6 +53,8 @@ pub fn connect(db: &str, role: &str) {
     let db = CString::new(db).unwrap_or_default();
     let role = CString::new(role).unwrap_or_default();
     connect_as(&db, &role);
+    // SAFETY: connected, on the worker's main thread, between transactions; the name and value
+    // are static C strings (a value the setting refuses raises).
     unsafe {
         pg_sys::SetConfigOption(
             c"search_path".as_ptr(),
@@ -66,13 +70,19 @@ pub fn connect(db: &str, role: &str) {
 #[cfg(any(feature = "pg17", feature = "pg18"))]
 fn connect_as(db: &CString, role: &CString) {
     let flags = pg_sys::BGWORKER_BYPASS_ROLELOGINCHECK;
+    // SAFETY: once, on the worker's main thread, before any transaction; the worker has
+    // BGWORKER_BACKEND_DATABASE_CONNECTION, and the C strings outlive the call.
     unsafe { pg_sys::BackgroundWorkerInitializeConnection(db.as_ptr(), role.as_ptr(), flags) };
 }
 
 #[cfg(any(feature = "pg15", feature = "pg16"))]
 fn connect_as(db: &CString, role: &CString) {
+    // SAFETY: once, on the worker's main thread, before any transaction; the worker has
+    // BGWORKER_BACKEND_DATABASE_CONNECTION (a NULL role: the bootstrap superuser).
     unsafe { pg_sys::BackgroundWorkerInitializeConnection(db.as_ptr(), std::ptr::null(), 0) };
     // In a transaction: the setting's check looks the role up in the catalog.
+    // SAFETY: in in_transaction's transaction, on the main thread; role is a C string that
+    // outlives the call.
     in_transaction(|| unsafe {
         pg_sys::SetConfigOption(
             c"session_authorization".as_ptr(),
@@ -86,6 +96,7 @@ fn connect_as(db: &CString, role: &CString) {
 }
 
 fn warn_if_superuser() {
+    // SAFETY: superuser() reads the catalog cache, in the transaction in_transaction opens.
     let superuser = in_transaction(|| unsafe { pg_sys::superuser() });
     if superuser.unwrap_or(false) {
         warning!(
@@ -98,6 +109,8 @@ fn warn_if_superuser() {
 /// Runs `f` in a transaction of its own; an ERROR rolls it back and comes back as Err, so a
 /// failed statement (a dropped sink, a lost lease) never takes the worker down.
 pub fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
+    // SAFETY: on the worker's main thread, between transactions (each of ours ends below); the
+    // snapshot pushed here is popped below, or by the abort.
     unsafe {
         pg_sys::SetCurrentStatementStartTimestamp(); // now() is the transaction's start
         pg_sys::StartTransactionCommand();
@@ -116,6 +129,8 @@ pub fn in_transaction<R>(f: impl FnOnce() -> R) -> Result<R, String> {
             })
         })
         .execute();
+    // SAFETY: ends the transaction started above: on success its snapshot is popped first; after
+    // an ERROR (caught above), AbortCurrentTransaction cleans up what it left.
     unsafe {
         if result.is_ok() {
             pg_sys::PopActiveSnapshot();
