@@ -127,6 +127,10 @@ class KafkaCluster:
             return all(sorted(p.isrs) == sorted(p.replicas) for p in partitions.values())
         self._wait(in_sync, timeout, f"every replica of topic {topic} in sync")
 
+    def leader(self, topic: str, partition: int) -> int:
+        """The node that leads the partition now."""
+        return self.admin().list_topics(topic, timeout=10).topics[topic].partitions[partition].leader
+
     def read(self, topic: str, expect: int, timeout: float = 30.0) -> list[dict]:
         """Every record of the topic, in (partition, offset) order, each as partition, offset,
         key, value (bytes) and headers (a dict): read from the beginning of every partition until

@@ -104,8 +104,12 @@ def security_db(cluster):
 
 def test_planted_operators_and_functions_never_run(cluster, security_db):
     ok = Receiver()
-    failing = Receiver(lambda r: (500, {}, b"down"))
-    refusing = Receiver(lambda r: (422, {}, b"no"))
+    # one key fails while the others go through: the sink is shown healthy, so that key's
+    # events are parked and dead-lettered (a sink failing everything would only be suspended)
+    failing = Receiver(lambda r: (500, {}, b"down") if any(e["aggregate_id"] == "k1" for e in r.events())
+                       else (200, {}, b""))
+    refusing = Receiver(lambda r: (422, {}, b"no") if any(e["aggregate_id"] == "k2" for e in r.events())
+                        else (200, {}, b""))
     unavailable = Receiver(lambda r: (503, {"Retry-After": "1"}, b"later"))
     try:
         with cluster.connect(security_db, "mallory") as mallory:

@@ -301,7 +301,7 @@ impl Delivery {
             // so that it is not sent again when the sink comes back (a dropped sink's
             // consumer is gone, and the statement fails harmlessly); its failures are not
             // judged (no sink to judge them by): given back, unless something went through
-            let judgement = Health::default().judge(&done.batch, done.outcome, done.started, true);
+            let judgement = Health::default().judge(&done.batch, done.outcome, done.started);
             let _ = queries::settle(&done.batch, &judgement);
             self.pool.forget(&done.batch.sink);
             return;
@@ -309,10 +309,7 @@ impl Delivery {
         if let Some(metrics) = &self.metrics {
             metrics.observe_batch(&done.batch.sink, done.took);
         }
-        let others_out = self.pool.in_flight(&done.batch.sink) > 0;
-        let judgement = sink
-            .health
-            .judge(&done.batch, done.outcome, done.started, others_out);
+        let judgement = sink.health.judge(&done.batch, done.outcome, done.started);
         if sink.health.take_changed() {
             health_changed(&done.batch.sink, sink, self.metrics.as_ref());
             self.next_flush = Instant::now(); // outbox.status shows it at once

@@ -19,8 +19,9 @@
 //! refuses) is dead-lettered whatever the sink's health.
 //!
 //! Otherwise the batch is given back unattempted (`outbox.release`): nothing is counted,
-//! parked or dead-lettered, however long the failure lasts. When no other batch of the sink
-//! is out to tell otherwise, the sink is suspended: no claims but one probe at a time, a
+//! parked or dead-lettered, however long the failure lasts, and the sink is suspended: no
+//! claims but one probe at a time (batches already out go on; the first that delivers
+//! anything ends the suspension, so a poisoned batch among healthy ones costs little), a
 //! small batch sent one event per request, on a backoff (0.25 s doubling to 2 s, or the
 //! sink's Retry-After clamped to 0.1 s .. 5 min). The first probe that delivers anything
 //! resumes the sink at full concurrency; its failed events are then blamed as usual.
@@ -47,8 +48,8 @@ const MAX_PROBE_DELAY: Duration = Duration::from_secs(2);
 /// A Retry-After is honoured within these bounds.
 const RETRY_AFTER_MIN: Duration = Duration::from_millis(100);
 const RETRY_AFTER_MAX: Duration = Duration::from_secs(300);
-/// A batch given back while other batches of the healthy sink are out waits this long.
-const GIVE_BACK_DELAY: Duration = Duration::from_secs(1);
+/// A sink throttled partway through a batch gets no new claims for this long, unless it said.
+const SLOW_DOWN: Duration = Duration::from_secs(1);
 /// A probe claims at most this many events, and sends each in a request of its own.
 pub const PROBE_EVENTS: i32 = 10;
 /// Failures remembered per sink (the oldest are forgotten first).
@@ -83,8 +84,8 @@ impl Suspension {
 pub enum Judgement {
     /// Settle it with these verdicts: its failures are the events' (or, unsent, nobody's).
     Settle(Vec<Verdict>),
-    /// Give it back unattempted; its shard is not claimed again before `delay` (none while
-    /// the sink is suspended: the suspension holds the claims back).
+    /// Give it back unattempted; its shard is not claimed again before `delay` (none: the
+    /// suspension holds the claims back).
     GiveBack { error: String, delay: Duration },
 }
 
@@ -184,15 +185,8 @@ impl Health {
         self.probe == Some((batch.shard, batch.epoch))
     }
 
-    /// Judges a finished batch: `started` is when its delivery began, `others_out` whether
-    /// other batches of the sink are still out (their outcome will tell more).
-    pub fn judge(
-        &mut self,
-        batch: &Batch,
-        outcome: Outcome,
-        started: Instant,
-        others_out: bool,
-    ) -> Judgement {
+    /// Judges a finished batch: `started` is when its delivery began.
+    pub fn judge(&mut self, batch: &Batch, outcome: Outcome, started: Instant) -> Judgement {
         let now = Instant::now();
         let was_probe = self.is_probe(batch);
         if was_probe {
@@ -209,7 +203,7 @@ impl Health {
                     return Judgement::Settle(vec![retry; batch.events.len()]);
                 }
                 self.not_blamed(batch.events.iter().map(|e| e.aggregate_id.as_str()));
-                return self.give_back(error, retry_after, others_out, was_probe, now);
+                return self.give_back(error, retry_after, was_probe, now);
             }
         };
         // what the sink said of each key's first failure (a held-back event says nothing)
@@ -222,7 +216,7 @@ impl Health {
             self.remember(&failed, now);
             if let Some(retry_after) = verdicts.iter().find_map(unsent_retry_after) {
                 // throttled partway: what went through is acked, the rest waits uncounted
-                let pause = retry_after.map_or(GIVE_BACK_DELAY, clamp_retry_after);
+                let pause = retry_after.map_or(SLOW_DOWN, clamp_retry_after);
                 self.slowed_until = Some(now + pause);
             }
             return Judgement::Settle(verdicts);
@@ -240,7 +234,7 @@ impl Health {
             return Judgement::Settle(verdicts);
         }
         self.not_blamed(said.iter().map(|(e, _)| e.aggregate_id.as_str()));
-        self.give_back(error, retry_after, others_out, was_probe, now)
+        self.give_back(error, retry_after, was_probe, now)
     }
 
     /// One key's events failed, answered as about them, soon after a success, and no other
@@ -309,7 +303,6 @@ impl Health {
         &mut self,
         error: String,
         retry_after: Option<Duration>,
-        others_out: bool,
         was_probe: bool,
         now: Instant,
     ) -> Judgement {
@@ -329,7 +322,6 @@ impl Health {
                 }
                 Duration::ZERO // the suspension holds claims back, not the shard
             }
-            State::Healthy if others_out => GIVE_BACK_DELAY,
             State::Healthy => {
                 let delay = retry_after.map_or(FIRST_PROBE, clamp_retry_after);
                 self.state = State::Suspended(Suspension {
@@ -411,7 +403,7 @@ mod tests {
         let mut h = Health::default();
         let t0 = Instant::now();
         for round in 0..5 {
-            let j = h.judge(&batch(round, &["a", "b"]), failed(2), t0, false);
+            let j = h.judge(&batch(round, &["a", "b"]), failed(2), t0);
             assert!(gave_back(&j), "round {round}: {j:?}");
         }
         assert!(matches!(h.state, State::Suspended(_)));
@@ -433,10 +425,10 @@ mod tests {
         let later = poisoned_start + Duration::from_millis(1);
         let ok = Outcome::all(1, Verdict::Delivered);
         assert!(matches!(
-            h.judge(&batch(1, &["x"]), ok, later, true),
+            h.judge(&batch(1, &["x"]), ok, later),
             Judgement::Settle(_)
         ));
-        let j = h.judge(&batch(2, &["p"]), failed(1), poisoned_start, false);
+        let j = h.judge(&batch(2, &["p"]), failed(1), poisoned_start);
         assert!(matches!(j, Judgement::Settle(_)), "{j:?}");
     }
 
@@ -449,20 +441,15 @@ mod tests {
             error: "HTTP 401".into(),
             retry_after: None,
         };
-        h.judge(&batch(1, &["x"]), ok.clone(), t0, true);
-        let j = h.judge(
-            &batch(2, &["p"]),
-            down(),
-            t0 + Duration::from_millis(1),
-            true,
-        );
+        h.judge(&batch(1, &["x"]), ok.clone(), t0);
+        let j = h.judge(&batch(2, &["p"]), down(), t0 + Duration::from_millis(1));
         assert!(
             gave_back(&j),
             "the outage may have begun after x's request: {j:?}"
         );
         // the sink delivers other events after p's failure: p's next failure is p's
-        h.judge(&batch(3, &["y"]), ok, Instant::now(), true);
-        let j = h.judge(&batch(2, &["p"]), down(), Instant::now(), false);
+        h.judge(&batch(3, &["y"]), ok, Instant::now());
+        let j = h.judge(&batch(2, &["p"]), down(), Instant::now());
         assert!(matches!(j, Judgement::Settle(_)), "{j:?}");
     }
 
@@ -470,19 +457,14 @@ mod tests {
     fn a_lone_key_failing_soon_after_a_success_is_the_keys_but_two_keys_are_not() {
         let mut h = Health::default();
         let t0 = Instant::now();
-        h.judge(
-            &batch(1, &["x"]),
-            Outcome::all(1, Verdict::Delivered),
-            t0,
-            false,
-        );
+        h.judge(&batch(1, &["x"]), Outcome::all(1, Verdict::Delivered), t0);
         let later = t0 + Duration::from_millis(1);
-        let j = h.judge(&batch(2, &["a", "b"]), failed(2), later, false);
+        let j = h.judge(&batch(2, &["a", "b"]), failed(2), later);
         assert!(
             gave_back(&j),
             "two keys failing together: the sink, as far as we know"
         );
-        let j = h.judge(&batch(3, &["a"]), failed(1), later, false);
+        let j = h.judge(&batch(3, &["a"]), failed(1), later);
         assert!(
             gave_back(&j),
             "another key failed since the last success: {j:?}"
@@ -492,13 +474,13 @@ mod tests {
     #[test]
     fn a_probe_that_delivers_resumes_the_sink_and_one_that_fails_backs_off() {
         let mut h = Health::default();
-        h.judge(&batch(1, &["a"]), failed(1), Instant::now(), false);
+        h.judge(&batch(1, &["a"]), failed(1), Instant::now());
         let State::Suspended(first) = h.state.clone() else {
             panic!("not suspended")
         };
         let probe = batch(4, &["b"]);
         h.probe_sent(&probe);
-        h.judge(&probe, failed(1), Instant::now(), false);
+        h.judge(&probe, failed(1), Instant::now());
         let State::Suspended(second) = h.state.clone() else {
             panic!("not suspended")
         };
@@ -509,12 +491,7 @@ mod tests {
         );
         let probe = batch(5, &["c"]);
         h.probe_sent(&probe);
-        let j = h.judge(
-            &probe,
-            Outcome::all(1, Verdict::Delivered),
-            Instant::now(),
-            false,
-        );
+        let j = h.judge(&probe, Outcome::all(1, Verdict::Delivered), Instant::now());
         assert!(matches!(j, Judgement::Settle(_)));
         assert_eq!(h.state, State::Healthy);
         assert_eq!(h.claims(Instant::now(), 0), Claims::Full);
@@ -528,7 +505,7 @@ mod tests {
             retry_after: Some(Duration::from_secs(2)),
         };
         let outcome = Outcome::Events(vec![Verdict::Delivered, throttled]);
-        let j = h.judge(&batch(1, &["a", "b"]), outcome, Instant::now(), false);
+        let j = h.judge(&batch(1, &["a", "b"]), outcome, Instant::now());
         assert!(
             matches!(j, Judgement::Settle(_)),
             "the delivered part is acked"
