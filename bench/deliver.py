@@ -30,7 +30,8 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sinks import KafkaRestFront, Tansu, free_port  # noqa: E402
+from support.peers import KafkaRestFront, Tansu  # noqa: E402
+from support.pgcluster import free_port  # noqa: E402
 
 PORT, EVENTS, BACKLOG = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 DSN = f"host=127.0.0.1 port={PORT} user=postgres dbname=bench"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Apache Kafka for the tests' KafkaCluster (tests/kafka_cluster.py): its jars from Maven Central
-# and the test CA and stores of its SASL_SSL listener. Everything lands under target/.
+# Apache Kafka for the tests' KafkaCluster (tests/support/kafka_cluster.py): its jars from Maven
+# Central and the test CA and stores of its SASL_SSL listener. Everything lands under target/.
 # Source it, or run it with a function's name and its arguments:
 #   scripts/kafka.sh fetch_kafka
 #   scripts/kafka.sh kafka_certs DIR [PASSWORD]

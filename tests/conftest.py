@@ -11,8 +11,8 @@ import os
 import psycopg
 import pytest
 
-from pgcluster import Cluster, install_released_scripts
-from sinks import Tansu, create_sink
+from support.peers import Tansu, create_sink
+from support.pgcluster import Cluster, install_released_scripts
 
 MAJORS = os.environ.get("OUTBOX_PG_MAJORS", "15 16 18").split()
 # The servers inherit it: as on a developer's machine, an error pgrx catches and raises again
@@ -27,7 +27,7 @@ _counter = itertools.count()
 @pytest.fixture(scope="session", params=MAJORS, ids=[f"pg{m}" for m in MAJORS])
 def cluster(request):
     install_released_scripts(request.param)
-    # the background worker serves these databases (tests/test_worker.py creates worker_db;
+    # the background worker serves these databases (the worker_db fixture, below, creates worker_db;
     # deliver_db, below, is where the delivery tests create their sinks)
     c = Cluster(request.param, {"outbox_ext.databases": f"'worker_db, {DELIVER_DB}, {SECURITY_DB}'",
                                 "outbox_ext.maintain_interval": "1",
@@ -138,12 +138,11 @@ def tansu():
     broker.close()
 
 
-def keys_in_shard(db, shard: int, n: int) -> list[str]:
-    """n aggregate ids that land in `shard`."""
-    return [r[0] for r in db.execute(
-        "SELECT k FROM (SELECT 'key-' || i AS k FROM generate_series(1, 10000) i) s "
-        "WHERE outbox.shard_of(k) = %s LIMIT %s", (shard, n)).fetchall()]
-
-
-def count_events(conn, where: str = "true", params=()) -> int:
-    return conn.execute(f"SELECT count(*) FROM outbox.events WHERE {where}", params).fetchone()[0]
+@pytest.fixture
+def worker_db(cluster):
+    with cluster.connect() as conn:
+        conn.execute("DROP DATABASE IF EXISTS worker_db WITH (FORCE)")
+        conn.execute("CREATE DATABASE worker_db")
+    yield "worker_db"
+    with cluster.connect() as conn:
+        conn.execute("DROP DATABASE IF EXISTS worker_db WITH (FORCE)")

@@ -5,7 +5,7 @@ another language than SQL (Python, through plain SQL)."""
 import psycopg
 import pytest
 
-from conftest import count_events
+from support.db import count_events
 
 EMIT = "SELECT outbox.emit('order', %s, 'order.created', '{}')"
 

@@ -17,17 +17,17 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 import psycopg
 import pytest
 
 from conftest import MAJORS, TEMPLATE
-from pgcluster import Cluster, as_postgres
-from relay import Relay, first_deliveries
-from sinks import Receiver, check_delivery, create_sink, wait_for
-from test_upgrade import NEW, RELEASED
+from support.events import emit_keys
+from support.peers import Receiver, check_delivery, create_sink, wait_for
+from support.pgcluster import Cluster, as_postgres
+from support.relay import Relay, first_deliveries
+from support.versions import NEW, RELEASED
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
@@ -57,18 +57,6 @@ def contents(conn) -> dict[str, list]:
     return {name: conn.execute(sql).fetchall() for name, sql in CONTENTS.items()}
 
 
-def emit(conn, keys: int, per_key: int, prefix: str = "k") -> dict[str, list[str]]:
-    """per_key rounds of one transaction each, one event per key; returns key -> ids in order."""
-    emitted = defaultdict(list)
-    for i in range(per_key):
-        with conn.transaction():
-            for k in range(keys):
-                emitted[f"{prefix}{k}"].append(str(conn.execute(
-                    "SELECT outbox.emit('order', %s, 'e', jsonb_build_object('i', %s::int))",
-                    (f"{prefix}{k}", i)).fetchone()[0]))
-    return emitted
-
-
 def busy_outbox(conn) -> dict:
     """An outbox with a bit of everything: three consumers (one a sink with a secret), acked and
     pending events over several partitions, a batch out, a parked key with its queue, a dead
@@ -80,7 +68,7 @@ def busy_outbox(conn) -> dict:
     conn.execute("SELECT outbox.create_consumer('c2')")
     create_sink(conn, "hook", "webhook", "http://127.0.0.1:9/hook", secret=SECRET,
                 http_headers='{"Authorization": "Bearer t0ken"}')
-    emitted = emit(conn, keys=80, per_key=25)
+    emitted = emit_keys(conn, keys=80, per_key=25)
     conn.execute("INSERT INTO outbox._sink_stats (sink, delivered, failed) VALUES ('hook', 17, 3)")
     for i in range(5):
         conn.execute("SELECT inbox.claim(outbox.uuid_v7(), %s)", (f"svc{i}",))
@@ -167,7 +155,7 @@ def test_dump_and_restore_bring_everything_back_and_delivery_resumes(cluster, ne
         assert contents(conn) == before
         assert conn.execute("SELECT count(*) FROM outbox.partitions WHERE NOT is_default").fetchone()[0] >= 4
         # events emitted after the restore (before any claim) come after the dump's, per key
-        after = emit(conn, keys=45, per_key=2, prefix="k")
+        after = emit_keys(conn, keys=45, per_key=2, prefix="k")
         check_resumed(conn, state, after)
         # the dead letter is there to replay, the inbox still dedups, maintain and emit work
         assert conn.execute("SELECT outbox.replay('c1')").fetchone()[0] == 1
@@ -201,7 +189,7 @@ def test_a_dump_of_an_earlier_release_restores_into_this_one(cluster, new_databa
     with cluster.connect(target) as conn:
         assert conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'outbox_ext'").fetchone()[0] == NEW
         assert contents(conn) == before
-        check_resumed(conn, state, emit(conn, keys=45, per_key=2, prefix="k"))
+        check_resumed(conn, state, emit_keys(conn, keys=45, per_key=2, prefix="k"))
 
 
 def test_a_schema_only_dump_restores_cleanly(cluster, new_database):
@@ -249,7 +237,7 @@ def test_restore_into_a_cluster_whose_transaction_ids_are_unrelated(cluster, whe
         with target.connect("app") as conn:
             now = conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
             assert (now < 3 << 32) if where == "far_below" else (now > 9 << 32)
-            after = emit(conn, keys=45, per_key=2, prefix="k")
+            after = emit_keys(conn, keys=45, per_key=2, prefix="k")
             check_resumed(conn, state, after)
             # a consumer made after the restore from the beginning reads the dump's events too
             conn.execute("SELECT outbox.create_consumer('late', true)")
@@ -281,7 +269,7 @@ def test_pg_upgrade_keeps_delivering(cluster, to):
             conn.execute("SELECT * FROM outbox.maintain()")
             create_sink(conn, "hook", "webhook", receiver.url, batch_size=20)
             conn.execute("SELECT outbox.create_consumer('relay', backoff_base => '1 hour', backoff_max => '1 hour')")
-            emitted = emit(conn, keys=20, per_key=10)
+            emitted = emit_keys(conn, keys=20, per_key=10)
             relay = Relay(conn, "relay")
             acked, batch = set(), relay.claim()
             while len({e.aggregate_id for e in batch}) < 2:    # a shard of one key: take the next
@@ -322,7 +310,7 @@ def test_pg_upgrade_keeps_delivering(cluster, to):
             conn.execute("UPDATE outbox._parked SET next_attempt_at = now()")
             delivered = {str(e.id) for e in Relay(conn, "relay").drain()}
             assert delivered == {i for ids in emitted.values() for i in ids} - acked - {str(refused.id)}
-            more = emit(conn, keys=3, per_key=2, prefix="after")
+            more = emit_keys(conn, keys=3, per_key=2, prefix="after")
             wait_for(lambda: {i for ids in more.values() for i in ids} <= {e["id"] for e in receiver.accepted_events()})
             assert conn.execute("SELECT count(*) FROM outbox.maintain() WHERE action = 'skipped'").fetchone()[0] == 0
     finally:
@@ -359,7 +347,7 @@ def test_a_base_backup_restored_delivers_what_was_pending(cluster):
         with source.connect("app") as conn:
             conn.execute("CREATE EXTENSION outbox_ext")
             create_sink(conn, "hook", "webhook", receiver.url, batch_size=25)
-            emitted = emit(conn, keys=10, per_key=10)
+            emitted = emit_keys(conn, keys=10, per_key=10)
         shutil.chown(copy.datadir, "postgres", "postgres") if os.geteuid() == 0 else None
         backed_up = run(str(source.bindir / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(source.port),
                         "-U", "postgres", "-D", str(copy.datadir), "-X", "stream", "-c", "fast")

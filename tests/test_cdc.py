@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from sinks import wait_for
+from support.peers import wait_for
 
 PUBLICATION = "outbox_cdc"
 SLOT = "outbox_cdc_slot"

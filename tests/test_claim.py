@@ -11,14 +11,9 @@ from collections import defaultdict
 import psycopg
 import pytest
 
-from conftest import keys_in_shard
-from relay import Relay, first_deliveries
-from test_maintain import waits_for_a_lock
-
-
-def emit(conn, key: str, n: int = 1, event_type: str = "e", payload: str = "{}") -> None:
-    for _ in range(n):
-        conn.execute("SELECT outbox.emit('order', %s, %s, %s::jsonb)", (key, event_type, payload))
+from support.db import keys_in_shard, waits_for_a_lock
+from support.events import emit
+from support.relay import Relay, first_deliveries
 
 
 def committed_events(db) -> list[tuple]:
@@ -33,7 +28,7 @@ def consumer(db):
 
 def test_each_committed_event_once_in_commit_order(db, consumer):
     for i in range(300):
-        emit(db, f"k{i % 7}", payload=f'{{"i": {i}}}')
+        emit(db, f"k{i % 7}", payload={"i": i})
     delivered = Relay(db, consumer, batch_size=25).drain()
     assert sorted(e.seq for e in delivered) == [r[2] for r in committed_events(db)]
     per_key = defaultdict(list)
@@ -215,7 +210,7 @@ def test_a_poisoned_key_blocks_only_itself_then_dead_letters_and_replays(db, con
     db.execute("SELECT outbox.drop_consumer('sink')")
     db.execute("SELECT outbox.create_consumer('sink', max_attempts => 3, backoff_base => '20 ms', backoff_max => '40 ms')")
     poison, *others = keys_in_shard(db, 5, 4)
-    emit(db, poison, payload='{"poison": true}')
+    emit(db, poison, payload={"poison": True})
     emit(db, poison, 2)
     for k in others:
         emit(db, k, 3)
@@ -403,15 +398,15 @@ def test_roles_for_claims(connect, db, consumer):
 def test_a_shard_with_a_parked_key_hands_out_the_others_in_commit_order(db, consumer):
     a, b = keys_in_shard(db, 3, 2)
     for i in range(3):
-        emit(db, a, payload=f'{{"i": {i}}}')
-        emit(db, b, payload=f'{{"i": {i}}}')
+        emit(db, a, payload={"i": i})
+        emit(db, b, payload={"i": i})
     relay = Relay(db, consumer)
     batch = relay.claim()
     relay.nack(batch[0], "down", retry_after="1 hour")   # a is parked, its events queue
     relay.ack(batch[0].shard, batch[0].epoch)
     for i in range(3, 9):
-        emit(db, a, payload=f'{{"i": {i}}}')
-        emit(db, b, payload=f'{{"i": {i}}}')
+        emit(db, a, payload={"i": i})
+        emit(db, b, payload={"i": i})
     batch = relay.claim()
     assert [(e.aggregate_id, e.payload["i"]) for e in batch] == [(b, i) for i in range(3, 9)]
     queued = db.execute("SELECT (payload->>'i')::int FROM outbox._parked_events ORDER BY pos").fetchall()

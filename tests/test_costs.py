@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import keys_in_shard
-from relay import Relay
+from support.db import keys_in_shard
+from support.relay import Relay
 
 
 def pages_read(db, table: str) -> int:

@@ -8,7 +8,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from conftest import count_events
+from support.db import count_events
 
 EMIT = "SELECT outbox.emit(%s, %s, %s, %s, %s, %s)"
 

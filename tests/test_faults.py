@@ -17,8 +17,9 @@ import psycopg
 import pytest
 
 from conftest import MAJORS
-from pgcluster import Cluster, as_postgres
-from sinks import FaultProxy, Receiver, check_delivery, create_sink, wait_for
+from support.events import emit_keys
+from support.peers import FaultProxy, Receiver, check_delivery, create_sink, wait_for
+from support.pgcluster import Cluster, as_postgres
 
 DB = "faults"
 _names = itertools.count()
@@ -53,25 +54,13 @@ def webhook(conn, url: str, **options) -> str:
     return create_sink(conn, f"f{next(_names)}", "webhook", url, **options)
 
 
-def emit(conn, keys: int, per_key: int, prefix: str) -> dict[str, list[str]]:
-    emitted = defaultdict(list)
-    for i in range(per_key):
-        with conn.transaction():
-            for k in range(keys):
-                key = f"{prefix}{k}"
-                emitted[key].append(conn.execute(
-                    "SELECT outbox.emit('order', %s, 'e', jsonb_build_object('i', %s::int))::text",
-                    (key, i)).fetchone()[0])
-    return emitted
-
-
 def test_sink_down_for_a_while_and_back(faulty):
     receiver = Receiver()
     port = receiver.port
     receiver.close()                               # the sink is down
     with connect(faulty) as conn:
         sink = webhook(conn, f"http://127.0.0.1:{port}", batch_size=20)
-        emitted = emit(conn, keys=10, per_key=10, prefix="down")
+        emitted = emit_keys(conn, keys=10, per_key=10, prefix="down")
         error = wait_for(lambda: conn.execute("SELECT last_sink_error FROM outbox.status WHERE consumer = %s",
                                               (sink,)).fetchone()[0])
         assert "webhook" in error
@@ -94,7 +83,7 @@ def test_random_500_429_and_hangs_from_a_proxy(faulty):
     try:
         with connect(faulty) as conn:
             sink = webhook(conn, proxy.url, batch_size=10, request_timeout="1 s", max_attempts=100)
-            emitted = emit(conn, keys=20, per_key=15, prefix="rnd")
+            emitted = emit_keys(conn, keys=20, per_key=15, prefix="rnd")
             wait_for(lambda: len(receiver.accepted_events()) >= 300, timeout=120)
             time.sleep(0.5)
             check_delivery(emitted, receiver.accepted_events())
@@ -112,7 +101,7 @@ def test_kill_9_of_the_worker_mid_batch(faulty):
     try:
         with connect(faulty) as conn:
             webhook(conn, receiver.url, batch_size=batch, concurrency=concurrency)
-            emitted = emit(conn, keys=16, per_key=20, prefix="kill")
+            emitted = emit_keys(conn, keys=16, per_key=20, prefix="kill")
         wait_for(lambda: len(receiver.accepted_events()) >= 40)
         pid = faulty.worker_pid(DB)
         log_start = len(faulty.log())
@@ -215,7 +204,7 @@ def test_a_fast_shutdown_settles_the_batch_in_flight(faulty):
     try:
         with connect(faulty) as conn:
             webhook(conn, receiver.url, batch_size=50, concurrency=1)
-            emitted = emit(conn, keys=5, per_key=4, prefix="term")
+            emitted = emit_keys(conn, keys=5, per_key=4, prefix="term")
         wait_for(lambda: receiver.requests or receiver_busy(faulty))
         time.sleep(0.5)                            # the batch is out, its answer 1 s away
         log_start = len(faulty.log())
@@ -236,7 +225,7 @@ def test_a_standby_does_not_deliver_and_takes_over_when_promoted(faulty):
     try:
         with connect(faulty) as conn:
             webhook(conn, receiver.url, batch_size=10)
-            emitted = emit(conn, keys=3, per_key=2, prefix="fo")
+            emitted = emit_keys(conn, keys=3, per_key=2, prefix="fo")
         wait_for(lambda: len(receiver.accepted_events()) >= 6)
         standby = Cluster(faulty.major)
         os.chown(standby.datadir, *_postgres_ids()) if os.geteuid() == 0 else None
@@ -247,7 +236,7 @@ def test_a_standby_does_not_deliver_and_takes_over_when_promoted(faulty):
         standby.start()
         receiver.close()                                        # the sink goes away ...
         with connect(faulty) as conn:
-            for key, ids in emit(conn, keys=3, per_key=3, prefix="fo").items():
+            for key, ids in emit_keys(conn, keys=3, per_key=3, prefix="fo").items():
                 emitted[key] += ids                             # ... so these stay pending
             lsn = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
         with connect(standby) as conn:

@@ -4,13 +4,13 @@ body, read only a little, never sent again, and the worker's memory stays flat."
 
 from __future__ import annotations
 
-import json
 import select
 import socket
 import threading
 import time
 
-from sinks import Receiver, create_sink, wait_for
+from support.events import emit
+from support.peers import Receiver, create_sink, wait_for
 
 
 class Silent:
@@ -83,11 +83,6 @@ class Trickle:
 
     def close(self):
         self.socket.close()
-
-
-def emit(conn, key: str, n: int = 1) -> list[str]:
-    return [str(conn.execute("SELECT outbox.emit('order', %s, 'e', %s::jsonb)",
-                             (key, json.dumps({"i": i}))).fetchone()[0]) for i in range(n)]
 
 
 def status(conn, sink: str) -> dict:

@@ -1,4 +1,4 @@
-"""KafkaCluster (kafka_cluster.py) works: a real 3-node Apache Kafka takes idempotent acks=all
+"""KafkaCluster (support/kafka_cluster.py) works: a real 3-node Apache Kafka takes idempotent acks=all
 writes on every listener and mechanism, refuses a wrong password, and loses nothing when a
 node is killed (or stopped) and started again. No PostgreSQL here."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import KafkaError, Producer
 
-from kafka_cluster import KafkaCluster
+from support.kafka_cluster import KafkaCluster
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The native Kafka sink against a real 3-broker Apache Kafka 4.4 cluster (kafka_cluster.py:
+"""The native Kafka sink against a real 3-broker Apache Kafka 4.4 cluster (support/kafka_cluster.py:
 KRaft, replication factor 3, min.insync.replicas 2, no topic made on use), read back with a
 real Kafka client (confluent-kafka). Every everyday fault of a cluster is the sink's, never the
 events': a wrong SCRAM password, a CA that does not match, a topic not made yet, two brokers of
@@ -16,8 +16,8 @@ from collections import defaultdict
 
 import pytest
 
-from kafka_cluster import KafkaCluster
-from sinks import certificates, wait_for
+from support.kafka_cluster import KafkaCluster
+from support.peers import certificates, wait_for
 
 _topics = itertools.count()
 PARTITIONS = 3

@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import pytest
 
-from sinks import Tansu, TlsFront, wait_for
+from support.peers import Tansu, TlsFront, wait_for
 
 _topics = itertools.count()
 PARTITIONS = 4

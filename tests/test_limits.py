@@ -7,7 +7,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from relay import Relay
+from support.relay import Relay
 
 KEY = "k" * 1024           # the longest key emit takes (README: Errors)
 

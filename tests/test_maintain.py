@@ -7,32 +7,18 @@ import time
 import psycopg
 import pytest
 
-from relay import Relay
+from support.db import insert_event_at, waits_for_a_lock
+from support.relay import Relay
 
 
 def maintain(conn) -> list[tuple]:
     return conn.execute("SELECT action, relation, detail FROM outbox.maintain()").fetchall()
 
 
-def insert_event_at(conn, key: str, at: str) -> None:
-    """An event written as emit writes it, but with a created_at of our choosing."""
-    conn.execute("""INSERT INTO outbox.events (id, aggregate_type, aggregate_id, event_type, payload, created_at, shard)
-                    VALUES (outbox.uuid_v7(), 'order', %s, 'e', '{}', now() + %s::interval, outbox.shard_of(%s))""",
-                 (key, at, key))
-
-
 def forget_seals(db) -> None:
     """After insert_event_at in a transaction begun now: a transaction that really began then
     would have kept maintain() from sealing the partitions since (outbox._seals)."""
     db.execute("DELETE FROM outbox._seals")
-
-
-def waits_for_a_lock(db, pid: int) -> None:
-    """Returns once backend pid waits for a lock."""
-    deadline = time.monotonic() + 10
-    while db.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0] != "Lock":
-        assert time.monotonic() < deadline, "never waited for a lock"
-        time.sleep(0.02)
 
 
 def partition_of(conn, key: str) -> str:

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from conftest import MAJORS
-from pgcluster import Cluster, free_port
-from sinks import Receiver, create_sink, wait_for
+from support.peers import Receiver, create_sink, wait_for
+from support.pgcluster import Cluster, free_port
 
 DB = "metrics_db"
 SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()

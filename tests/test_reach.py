@@ -10,9 +10,8 @@ import time
 
 import psycopg
 
-from relay import Relay
-from test_maintain import insert_event_at
-from test_seals import partitions_scanned
+from support.db import insert_event_at, partitions_scanned
+from support.relay import Relay
 
 AHEAD = 20  # one-minute partitions made ahead
 

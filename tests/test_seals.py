@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
-from relay import Relay
-from sinks import wait_for
+from support.db import partitions_scanned
+from support.peers import wait_for
+from support.relay import Relay
 
 OLD = 20  # hourly partitions before today's: inside the 2-day retention at any hour
 
@@ -18,23 +19,6 @@ def make_old_partitions(db) -> None:
     db.execute("""SELECT count(outbox_internal._create_partition('outbox.events',
                                  date_trunc('day', now()) - g * interval '1 hour', '1 hour'))
                     FROM generate_series(1, %s) g""", (OLD,))
-
-
-def partitions_scanned(db, which: str, sql: str, *args) -> int:
-    """How many event partitions that `which` (a condition on p, a row of outbox.partitions)
-    picks sql's scans visit (it runs in a transaction that is rolled back;
-    pg_stat_xact_user_tables counts its scans per partition, once the counts of earlier
-    transactions, which it shows until they are flushed, are)."""
-    db.execute("SELECT pg_stat_force_next_flush()")   # flushed as the session goes idle
-    db.execute("BEGIN")
-    try:
-        db.execute(sql, args)
-        return db.execute(f"""SELECT count(*) FROM pg_stat_xact_user_tables t
-                               JOIN outbox.partitions p ON p.partition = t.relid
-                              WHERE p.parent = 'outbox.events'::regclass AND NOT p.is_default
-                                AND ({which}) AND t.idx_scan + t.seq_scan > 0""").fetchone()[0]
-    finally:
-        db.execute("ROLLBACK")
 
 
 def scanned_old_partitions(db, sql: str, *args) -> int:

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from conftest import SECURITY_DB, TEMPLATE
-from sinks import Receiver, certificates, create_sink, wait_for
+from support.peers import Receiver, certificates, create_sink, wait_for
 
 # Operators and argument types the worker's and the API's SQL use (see the rules in
 # src/worker/queries.rs and sql/grants.sql); a planted operator of exactly these types would

@@ -10,8 +10,8 @@ import time
 import psycopg
 import pytest
 
-from conftest import keys_in_shard
-from relay import Relay
+from support.db import keys_in_shard
+from support.relay import Relay
 
 
 @pytest.fixture

@@ -17,21 +17,10 @@ import time
 import psycopg
 import pytest
 
-from sinks import Receiver, certificates, check_delivery, wait_for
+from support.events import emit_keys
+from support.peers import Receiver, certificates, check_delivery, wait_for
 
 SHORT_POLICY = {"max_attempts": 3, "backoff_base": "100 ms", "backoff_max": "500 ms"}
-
-
-def emit_keys(conn, keys: int, per_key: int, prefix: str) -> dict[str, list[str]]:
-    emitted: dict[str, list[str]] = {}
-    for i in range(per_key):
-        with conn.transaction():
-            for k in range(keys):
-                key = f"{prefix}{k}"
-                emitted.setdefault(key, []).append(conn.execute(
-                    "SELECT outbox.emit('order', %s, 'e', jsonb_build_object('i', %s::int))::text",
-                    (key, i)).fetchone()[0])
-    return emitted
 
 
 def status(conn, sink: str) -> dict:

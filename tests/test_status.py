@@ -2,7 +2,7 @@
 
 import time
 
-from relay import Relay
+from support.relay import Relay
 
 
 def status(db, consumer="sink"):

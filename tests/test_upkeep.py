@@ -12,8 +12,8 @@ import time
 import psycopg
 import pytest
 
-from sinks import wait_for
-from test_worker import worker_db, worker_pid  # noqa: F401 (a fixture)
+from support.db import worker_pid
+from support.peers import wait_for
 
 
 def maintain(conn) -> list[tuple]:

@@ -14,7 +14,8 @@ from collections import defaultdict
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from sinks import Receiver, certificates, check_delivery, wait_for
+from support.events import emit
+from support.peers import Receiver, certificates, check_delivery, wait_for
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
@@ -24,12 +25,6 @@ def receiver():
     r = Receiver()
     yield r
     r.close()
-
-
-
-def emit(conn, key: str, n: int = 1, topic: str | None = None, payload: dict | None = None) -> list[str]:
-    return [conn.execute("SELECT outbox.emit('order', %s, 'order.changed', %s::jsonb, NULL, %s)::text",
-                         (key, json.dumps(payload or {"i": i}), topic)).fetchone()[0] for i in range(n)]
 
 
 def sink_status(conn, sink: str) -> dict:

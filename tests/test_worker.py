@@ -10,29 +10,15 @@ import time
 
 import pytest
 
-from sinks import Receiver, check_delivery, create_sink, wait_for
-from test_upgrade import NEW, RELEASED
-
-
-def worker_pid(cluster, db: str = "worker_db"):
-    """the worker's pid"""
-    return cluster.worker_pid(db)
+from support.db import worker_pid
+from support.peers import Receiver, check_delivery, create_sink, wait_for
+from support.versions import NEW, RELEASED
 
 
 def cpu_seconds(pid: int) -> float:
     """user + system CPU time of a process"""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@pytest.fixture
-def worker_db(cluster):
-    with cluster.connect() as conn:
-        conn.execute("DROP DATABASE IF EXISTS worker_db WITH (FORCE)")
-        conn.execute("CREATE DATABASE worker_db")
-    yield "worker_db"
-    with cluster.connect() as conn:
-        conn.execute("DROP DATABASE IF EXISTS worker_db WITH (FORCE)")
 
 
 def test_waits_quietly_for_create_extension_then_runs_maintenance(cluster, worker_db):

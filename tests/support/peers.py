@@ -26,8 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
-from pgcluster import free_port
-from relay import first_deliveries
+from .pgcluster import free_port
+from .relay import first_deliveries
 
 
 def create_sink(conn, name: str, kind: str, url: str, **options) -> str:

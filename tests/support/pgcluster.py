@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psycopg
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 TREES = Path(os.environ.get("OUTBOX_PG_TREES", ROOT / "target/pg"))
 PG_CONFIG = {
     "15": TREES / "15/usr/lib/postgresql/15/bin/pg_config",

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import pytest
 
-from sinks import KafkaRestFront, wait_for
+from support.peers import KafkaRestFront, wait_for
 
 _topics = itertools.count()
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from pgcluster import free_port
+from .pgcluster import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 KAFKA_SH = ROOT / "scripts/kafka.sh"
 LIBS = ROOT / "target/kafka/libs"
 LISTENERS = ("PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL")
