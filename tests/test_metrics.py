@@ -166,6 +166,29 @@ def test_prometheus_scrapes_deliveries_failures_parked_keys_and_dead_letters(ser
     choosy.close()
 
 
+def test_a_sink_down_shows_as_suspended_and_counts_one_suspension(served, prometheus):
+    cluster, _ = served
+    gone = Receiver()
+    gone.close()                                    # nothing listens there: every request fails
+    with cluster.connect(DB) as conn:
+        create_sink(conn, "gone", "webhook", gone.url, aggregate_types=["gone"])
+        emit(conn, "gone", ["x1", "x2"])
+
+        def state(name: str) -> dict[str, float]:
+            return {dict(k)["state"]: v for k, v in
+                    prometheus(f'outbox_sink_state{{database="{DB}", consumer="{name}"}}').items()}
+        wait_for(lambda: state("gone") == {"healthy": 0.0, "suspended": 1.0}, timeout=30)
+        assert prometheus(f'outbox_sink_suspensions_total{{consumer="gone"}}') == {
+            (("consumer", "gone"), ("database", DB)): 1.0}, "one suspension, however many probes failed"
+        fine = Receiver()
+        try:
+            create_sink(conn, "fine", "webhook", fine.url, aggregate_types=["fine"])
+            wait_for(lambda: state("fine") == {"healthy": 1.0, "suspended": 0.0}, timeout=30)
+        finally:
+            fine.close()
+        conn.execute("SELECT outbox.drop_sink('gone'), outbox.drop_sink('fine')")
+
+
 def test_a_batch_out_at_a_hung_sink_is_in_flight(served, prometheus):
     cluster, _ = served
     release = threading.Event()
