@@ -24,7 +24,10 @@
 //! anything ends the suspension, so a poisoned batch among healthy ones costs little), a
 //! small batch sent one event per request, on a backoff (0.25 s doubling to 2 s, or the
 //! sink's Retry-After clamped to 0.1 s .. 5 min). The first probe that delivers anything
-//! resumes the sink at full concurrency; its failed events are then blamed as usual.
+//! resumes the sink at full concurrency; its failed events are then blamed as usual. A probe
+//! that could test only one key (its shard's window holds nothing else yet, say a poisoned key
+//! is the first thing a new sink is sent) lets that key wait uncounted instead of giving it
+//! back: given back, the next probe would find the same key again, for ever.
 //!
 //! What the sinks say of a failure is a hint only: `Verdict::Unsent` (throttling, a topic the
 //! cluster lacks, a credential it refuses, no report in time) is never counted, even on a
@@ -84,9 +87,9 @@ impl Suspension {
 pub enum Judgement {
     /// Settle it with these verdicts: its failures are the events' (or, unsent, nobody's).
     Settle(Vec<Verdict>),
-    /// Give it back unattempted; its shard is not claimed again before `delay` (none: the
-    /// suspension holds the claims back).
-    GiveBack { error: String, delay: Duration },
+    /// Give it back unattempted, to be claimed again at once: the suspension holds the claims
+    /// back, not the shard, so that a fixed sink row (or resume_sink) delivers at once.
+    GiveBack { error: String },
 }
 
 /// What the worker may claim for the sink now.
@@ -233,6 +236,13 @@ impl Health {
         if healthy {
             return Judgement::Settle(verdicts);
         }
+        if was_probe && one_key_about_it(&said) {
+            // The probe could test nothing but this key (its shard's window holds nothing else
+            // yet): the key waits, uncounted, so that the shard moves past it and the next
+            // probe tests other keys. Were the sink down, they fail too, and are given back.
+            self.probe_failed(&error, retry_after, now);
+            return Judgement::Settle(unsent(verdicts, &error, retry_after));
+        }
         self.not_blamed(said.iter().map(|(e, _)| e.aggregate_id.as_str()));
         self.give_back(error, retry_after, was_probe, now)
     }
@@ -244,10 +254,7 @@ impl Health {
             return false;
         };
         let key = first.aggregate_id.as_str();
-        let about_the_event =
-            |v: &Verdict| matches!(v, Verdict::Retry { .. } | Verdict::Reject { .. });
-        said.iter()
-            .all(|(e, v)| e.aggregate_id == key && about_the_event(v))
+        one_key_about_it(said)
             && self.failing_keys.iter().all(|k| k == key)
             && self
                 .last_success_at
@@ -306,24 +313,14 @@ impl Health {
         was_probe: bool,
         now: Instant,
     ) -> Judgement {
-        // a sink that says when to come back is not asked before then, suspended or not
-        if let Some(retry_after) = retry_after {
-            let until = now + clamp_retry_after(retry_after);
-            self.slowed_until = Some(self.slowed_until.map_or(until, |t| t.max(until)));
-        }
-        let not_before = self.slowed_until.unwrap_or(now);
-        let delay = match &mut self.state {
-            State::Suspended(s) => {
-                if was_probe {
-                    s.delay =
-                        retry_after.map_or((s.delay * 2).min(MAX_PROBE_DELAY), clamp_retry_after);
-                    s.next_probe = (now + s.delay).max(not_before);
-                    s.reason = error.clone();
-                }
-                Duration::ZERO // the suspension holds claims back, not the shard
+        match &self.state {
+            State::Suspended(_) if was_probe => self.probe_failed(&error, retry_after, now),
+            State::Suspended(_) => {
+                self.slow_down(retry_after, now);
             }
             State::Healthy => {
                 let delay = retry_after.map_or(FIRST_PROBE, clamp_retry_after);
+                let not_before = self.slow_down(retry_after, now);
                 self.state = State::Suspended(Suspension {
                     reason: error.clone(),
                     since: SystemTime::now(),
@@ -332,16 +329,58 @@ impl Health {
                 });
                 self.suspensions += 1;
                 self.changed = true;
-                Duration::ZERO // so that a fixed sink row (or resume_sink) delivers at once
             }
-        };
-        Judgement::GiveBack { error, delay }
+        }
+        Judgement::GiveBack { error }
+    }
+
+    /// A probe failed: the next comes after twice the delay (at most MAX_PROBE_DELAY), or
+    /// when the sink said.
+    fn probe_failed(&mut self, error: &str, retry_after: Option<Duration>, now: Instant) {
+        let not_before = self.slow_down(retry_after, now);
+        if let State::Suspended(s) = &mut self.state {
+            s.delay = retry_after.map_or((s.delay * 2).min(MAX_PROBE_DELAY), clamp_retry_after);
+            s.next_probe = (now + s.delay).max(not_before);
+            s.reason = error.to_owned();
+        }
+    }
+
+    /// A sink that says when to come back is not asked before then, suspended or not: returns
+    /// the earliest time it may be asked again.
+    fn slow_down(&mut self, retry_after: Option<Duration>, now: Instant) -> Instant {
+        if let Some(retry_after) = retry_after {
+            let until = now + clamp_retry_after(retry_after);
+            self.slowed_until = Some(self.slowed_until.map_or(until, |t| t.max(until)));
+        }
+        self.slowed_until.unwrap_or(now)
     }
 
     /// Whether the state changed since the last call (then it is written and logged once).
     pub fn take_changed(&mut self) -> bool {
         std::mem::take(&mut self.changed)
     }
+}
+
+/// Whether the failures the sink reported were all of one key, and answered as about it (a
+/// 5xx, 408, or a 4xx other than 401/403/404/407/410/429).
+fn one_key_about_it(said: &[(&crate::sinks::Event, &Verdict)]) -> bool {
+    let about_the_event = |v: &Verdict| matches!(v, Verdict::Retry { .. } | Verdict::Reject { .. });
+    said.first().is_some_and(|(first, _)| {
+        said.iter()
+            .all(|(e, v)| e.aggregate_id == first.aggregate_id && about_the_event(v))
+    })
+}
+
+/// The verdicts with every failure turned into "not sent": nothing is counted.
+fn unsent(verdicts: Vec<Verdict>, error: &str, retry_after: Option<Duration>) -> Vec<Verdict> {
+    let not_sent = |v: Verdict| match v {
+        Verdict::Retry { .. } | Verdict::Reject { .. } => Verdict::Unsent {
+            error: error.to_owned(),
+            retry_after,
+        },
+        other => other,
+    };
+    verdicts.into_iter().map(not_sent).collect()
 }
 
 fn clamp_retry_after(d: Duration) -> Duration {
@@ -495,6 +534,27 @@ mod tests {
         assert!(matches!(j, Judgement::Settle(_)));
         assert_eq!(h.state, State::Healthy);
         assert_eq!(h.claims(Instant::now(), 0), Claims::Full);
+    }
+
+    #[test]
+    fn a_probe_that_could_test_only_one_key_lets_it_wait_uncounted() {
+        let mut h = Health::default();
+        h.judge(&batch(1, &["p"]), failed(1), Instant::now());
+        let probe = batch(1, &["p"]);
+        h.probe_sent(&probe);
+        let j = h.judge(&probe, failed(1), Instant::now());
+        let Judgement::Settle(verdicts) = j else {
+            panic!("given back: the next probe would find the same key again: {j:?}")
+        };
+        assert!(
+            matches!(verdicts[..], [Verdict::Unsent { .. }]),
+            "nothing counted: {verdicts:?}"
+        );
+        assert!(matches!(h.state, State::Suspended(_)), "still suspended");
+        // two keys failing in a probe: the sink, as far as we know
+        let probe = batch(2, &["a", "b"]);
+        h.probe_sent(&probe);
+        assert!(gave_back(&h.judge(&probe, failed(2), Instant::now())));
     }
 
     #[test]

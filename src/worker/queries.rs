@@ -292,19 +292,18 @@ pub struct Settled {
 }
 
 /// Applies a finished batch's judgement in one transaction: given back unattempted
-/// (outbox.release, no claim of its shard before `delay`), or settled (outbox.settle).
+/// (outbox.release), or settled (outbox.settle).
 pub fn settle(batch: &Batch, judgement: &Judgement) -> Result<Settled, String> {
     in_transaction(|| {
         Spi::connect_mut(|client| match judgement {
-            Judgement::GiveBack { error, delay } => {
+            Judgement::GiveBack { error } => {
                 client.update(
-                    "SELECT outbox.release($1, $2, $3, pg_catalog.make_interval(secs => $4))",
+                    "SELECT outbox.release($1, $2, $3)",
                     None,
                     &[
                         batch.sink.as_str().into(),
                         batch.shard.into(),
                         batch.epoch.into(),
-                        delay.as_secs_f64().into(),
                     ],
                 )?;
                 Ok(Settled {
