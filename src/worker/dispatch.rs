@@ -7,10 +7,10 @@
 
 use super::health::{Claims, Health, Judgement, State, PROBE_EVENTS};
 use super::metrics::Metrics;
-use super::pool::{Done, Pool};
+use super::pool::{Batch, Done, Pool};
 use super::queries::{self, Figures, SinkRow};
 use super::{report_activity, stop_requested};
-use crate::sinks::Client;
+use crate::sinks::{Client, Config};
 use pgrx::prelude::*;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -264,7 +264,8 @@ impl Delivery {
                 match queries::claim(config, limit, lease(config)) {
                     Ok(Some(batch)) => {
                         if probe {
-                            sink.health.probe_sent(&batch);
+                            let lone = one_key(&batch) && nothing_else_to_claim(config);
+                            sink.health.probe_sent(&batch, lone);
                         } else {
                             sink.batch_limit = batch_limit(config.batch_size, &batch.events);
                         }
@@ -474,4 +475,31 @@ fn note_error(name: &str, sink: &mut Sink, error: &str) {
 /// format single, may take longer); a dead worker's leases are taken back at its restart.
 fn lease(config: &crate::sinks::Config) -> Duration {
     (config.request_timeout * 4).max(Duration::from_secs(300))
+}
+
+fn one_key(batch: &Batch) -> bool {
+    let key = batch.events.first().map(|e| &e.aggregate_id);
+    batch.events.iter().all(|e| Some(&e.aggregate_id) == key)
+}
+
+/// Whether the sink has nothing to claim but the probe it holds (a second claim cannot take
+/// the probe's shard, leased, and finds nothing). What it finds is given back at once.
+fn nothing_else_to_claim(config: &Config) -> bool {
+    match queries::claim(config, 1, lease(config)) {
+        Ok(None) => true,
+        Ok(Some(other)) => {
+            let back = Judgement::GiveBack {
+                error: "claimed only to see that there is more than the probe".into(),
+            };
+            if let Err(e) = queries::settle(&other, &back) {
+                warning!(
+                    "outbox_ext: sink \"{}\": giving back shard {}: {e}",
+                    config.name,
+                    other.shard
+                );
+            }
+            false
+        }
+        Err(_) => false,
+    }
 }

@@ -25,9 +25,11 @@
 //! small batch sent one event per request, on a backoff (0.25 s doubling to 2 s, or the
 //! sink's Retry-After clamped to 0.1 s .. 5 min). The first probe that delivers anything
 //! resumes the sink at full concurrency; its failed events are then blamed as usual. A probe
-//! that could test only one key (its shard's window holds nothing else yet, say a poisoned key
-//! is the first thing a new sink is sent) lets that key wait uncounted instead of giving it
-//! back: given back, the next probe would find the same key again, for ever.
+//! that could test only one key, because that key's events were all the sink had to send (say
+//! a poisoned key is the first thing a new sink is sent, and the events behind it are in the
+//! same shard), lets that key wait uncounted instead of giving it back: given back, the next
+//! probe would find the same key again, for ever. (So a sink that is down with a single key
+//! to deliver shows that key parked, with no attempt counted.)
 //!
 //! What the sinks say of a failure is a hint only: `Verdict::Unsent` (throttling, a topic the
 //! cluster lacks, a credential it refuses, no report in time) is never counted, even on a
@@ -114,6 +116,8 @@ pub struct Health {
     suspects: HashMap<String, Instant>,
     /// The probe out: (shard, epoch).
     probe: Option<(i32, i64)>,
+    /// The probe holds one key's events and the sink had nothing else to claim.
+    lone_probe: bool,
     /// A throttling sink: no new claims before this.
     slowed_until: Option<Instant>,
     /// Suspensions so far (for the metrics).
@@ -131,6 +135,7 @@ impl Default for Health {
             failing_keys: Vec::new(),
             suspects: HashMap::new(),
             probe: None,
+            lone_probe: false,
             slowed_until: None,
             suspensions: 0,
             changed: false,
@@ -173,8 +178,10 @@ impl Health {
         }
     }
 
-    pub fn probe_sent(&mut self, batch: &Batch) {
+    /// A probe went out; `lone`: it holds one key's events and there was nothing else to claim.
+    pub fn probe_sent(&mut self, batch: &Batch, lone: bool) {
         self.probe = Some((batch.shard, batch.epoch));
+        self.lone_probe = lone;
     }
 
     /// No probe could be claimed (nothing to deliver): try again after the same delay.
@@ -236,10 +243,11 @@ impl Health {
         if healthy {
             return Judgement::Settle(verdicts);
         }
-        if was_probe && one_key_about_it(&said) {
-            // The probe could test nothing but this key (its shard's window holds nothing else
-            // yet): the key waits, uncounted, so that the shard moves past it and the next
-            // probe tests other keys. Were the sink down, they fail too, and are given back.
+        if was_probe && self.lone_probe && one_key_about_it(&said) {
+            // The probe could test nothing but this key (it was all the sink had to send, and
+            // its shard's window holds nothing else yet): the key waits, uncounted, so that
+            // the shard moves past it and the next probe tests the events behind it. Were the
+            // sink down, they fail too, and are given back.
             self.probe_failed(&error, retry_after, now);
             return Judgement::Settle(unsent(verdicts, &error, retry_after));
         }
@@ -518,7 +526,7 @@ mod tests {
             panic!("not suspended")
         };
         let probe = batch(4, &["b"]);
-        h.probe_sent(&probe);
+        h.probe_sent(&probe, false);
         h.judge(&probe, failed(1), Instant::now());
         let State::Suspended(second) = h.state.clone() else {
             panic!("not suspended")
@@ -529,7 +537,7 @@ mod tests {
             "a failed probe doubles the delay"
         );
         let probe = batch(5, &["c"]);
-        h.probe_sent(&probe);
+        h.probe_sent(&probe, false);
         let j = h.judge(&probe, Outcome::all(1, Verdict::Delivered), Instant::now());
         assert!(matches!(j, Judgement::Settle(_)));
         assert_eq!(h.state, State::Healthy);
@@ -537,11 +545,18 @@ mod tests {
     }
 
     #[test]
-    fn a_probe_that_could_test_only_one_key_lets_it_wait_uncounted() {
+    fn a_probe_of_the_only_key_with_work_lets_it_wait_uncounted() {
         let mut h = Health::default();
         h.judge(&batch(1, &["p"]), failed(1), Instant::now());
         let probe = batch(1, &["p"]);
-        h.probe_sent(&probe);
+        h.probe_sent(&probe, false);
+        let j = h.judge(&probe, failed(1), Instant::now());
+        assert!(
+            gave_back(&j),
+            "other work could tell the sink from the key: {j:?}"
+        );
+        let probe = batch(1, &["p"]);
+        h.probe_sent(&probe, true);
         let j = h.judge(&probe, failed(1), Instant::now());
         let Judgement::Settle(verdicts) = j else {
             panic!("given back: the next probe would find the same key again: {j:?}")
@@ -553,7 +568,7 @@ mod tests {
         assert!(matches!(h.state, State::Suspended(_)), "still suspended");
         // two keys failing in a probe: the sink, as far as we know
         let probe = batch(2, &["a", "b"]);
-        h.probe_sent(&probe);
+        h.probe_sent(&probe, false);
         assert!(gave_back(&h.judge(&probe, failed(2), Instant::now())));
     }
 
