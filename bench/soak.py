@@ -80,7 +80,7 @@ with psycopg.connect(dsn, autocommit=True) as conn:
     threads += [threading.Thread(target=relay), threading.Thread(target=maintainer)]
     for t in threads:
         t.start()
-    print(f"| minute | emitted | delivered | event partitions | event storage | dead tuples (events) | cursor log rows |")
+    print("| minute | emitted | delivered | event partitions | event storage | dead tuples (events) | cursor log rows |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     start = time.monotonic()
     sizes = []

@@ -4,7 +4,6 @@ shard's pending events exactly only up to a bound. (How fast, bench/claim.sh mea
 
 from __future__ import annotations
 
-import pytest
 
 from support.db import keys_in_shard
 from support.relay import Relay

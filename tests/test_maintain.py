@@ -4,9 +4,6 @@ when past retention and read by every consumer, safe when run twice at once."""
 import threading
 import time
 
-import psycopg
-import pytest
-
 from support.db import insert_event_at, waits_for_a_lock
 from support.relay import Relay
 

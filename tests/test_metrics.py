@@ -178,7 +178,7 @@ def test_a_sink_down_shows_as_suspended_and_counts_one_suspension(served, promet
             return {dict(k)["state"]: v for k, v in
                     prometheus(f'outbox_sink_state{{database="{DB}", consumer="{name}"}}').items()}
         wait_for(lambda: state("gone") == {"healthy": 0.0, "suspended": 1.0}, timeout=30)
-        assert prometheus(f'outbox_sink_suspensions_total{{consumer="gone"}}') == {
+        assert prometheus('outbox_sink_suspensions_total{consumer="gone"}') == {
             (("consumer", "gone"), ("database", DB)): 1.0}, "one suspension, however many probes failed"
         fine = Receiver()
         try:

@@ -1,7 +1,5 @@
 """outbox.status and outbox.shard_status tell what is pending, how late, and why."""
 
-import time
-
 from support.relay import Relay
 
 
