@@ -7,11 +7,13 @@ serves database "bench"). Prints, each against a baseline measured in the same r
 2. commit-to-sink latency p50/p99 at a fixed 1,000 events/s, against a hand-rolled relay
    polling a plain table every 100 ms;
 3. the worker's private RSS while it drains a 1M-event backlog (webhook: rss; kafka: rss_kafka);
-4. throughput through the Kafka REST path (REST front over Tansu), against the front's own
-   ceiling; then the native Kafka sink into the same broker, with 100,000 keys and with 1,000
+4. throughput through the Kafka REST path (REST front over a real 3-node Apache Kafka 4.4
+   cluster, replication factor 3, min.insync.replicas 2, acks=all), against the front's own
+   ceiling; then the native Kafka sink into the same cluster, with 100,000 keys and with 1,000
    hot keys, against a plain confluent-kafka producer sending the same records (the ceiling)
-   and against the REST path's hot-key rate; and its commit-to-broker latency at 1,000
-   events/s (last: the Kafka client's threads linger in this process and disturb the HTTP
+   and against the REST path's hot-key rate, and against Debezium's outbox event router
+   draining the same backlog from the WAL; and the commit-to-consumer latency at 1,000
+   events/s of all three (last: the Kafka client's threads linger in this process and disturb the HTTP
    latency figures).
 Usage: deliver.py PORT EVENTS BACKLOG [steps: throughput latency rss kafka rss_kafka]"""
 
@@ -24,13 +26,15 @@ import sys
 import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.peers import KafkaRestFront, Tansu  # noqa: E402
+from support.debezium import (readme_properties, run_outbox_router, start_outbox_router,  # noqa: E402
+                              wait_outbox_router)
+from support.kafka_cluster import KafkaCluster  # noqa: E402
+from support.peers import KafkaRestFront  # noqa: E402
 from support.pgcluster import free_port  # noqa: E402
 
 PORT, EVENTS, BACKLOG = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -174,9 +178,9 @@ def kafka(conn) -> None:
     event per key per request, see src/sinks/kafka_rest.rs), so the number of distinct keys in
     a batch matters: measured with many keys (the usual case: one aggregate, a few events) and
     with 1,000 hot keys."""
-    tansu = Tansu()
-    tansu.create_topic("bench", partitions=4)
-    front = KafkaRestFront(tansu, {"bench"})
+    brokers = KafkaCluster()
+    brokers.create_topic("bench", partitions=4)
+    front = KafkaRestFront(brokers.bootstrap(), {"bench"})
     n = min(EVENTS, 50_000)
     results = {}
     for keys in (100_000, 1000):
@@ -194,14 +198,14 @@ def kafka(conn) -> None:
     top = ceiling(front.url + "/topics/bench", n, 500, {"content-type": "application/vnd.kafka.json.v2+json"},
                   lambda _n: body)
     front.close()
-    print(f"Kafka REST v2 (REST front in Python over Tansu), {n:,} events, batches of 500:")
+    print(f"Kafka REST v2 (REST front in Python over 3-node Kafka), {n:,} events, batches of 500:")
     print(f"  front ceiling            {top:>10,.0f} events/s   (500 records per request, no database)")
     for keys, rate in results.items():
         print(f"  outbox_ext, {keys:>7,} keys  {rate:>10,.0f} events/s   worker/ceiling  {rate / top:.2f}x")
     sys.stdout.flush()
-    kafka_native(conn, tansu, rest_hot=results[1000])
-    kafka_latency(conn, tansu)
-    tansu.close()
+    kafka_native(conn, brokers, rest_hot=results[1000])
+    kafka_latency(conn, brokers)
+    brokers.close()
 
 
 def kafka_sink(conn, name: str, bootstrap: str, batch_size: int = 1000, enabled: bool = False) -> None:
@@ -217,13 +221,13 @@ def left(conn, sink: str) -> int:
     return conn.execute("SELECT pending FROM outbox.status WHERE consumer = %s", (sink,)).fetchone()[0]
 
 
-def native_drain(conn, tansu, sink: str, batch: int, keys: int) -> float:
+def native_drain(conn, brokers, sink: str, batch: int, keys: int) -> float:
     """events/s of a native Kafka sink draining an EVENTS backlog into its own topic. The sink
     is started first (its producer id, the topic's metadata: one event delivered), as the
     ceiling's producer is before its clock; the backlog is committed at once (one transaction)
     and timed from its first record's CreateTime (the producer's clock, this machine's) to
     the poll that finds none left to settle."""
-    kafka_sink(conn, sink, tansu.bootstrap, batch, enabled=True)
+    kafka_sink(conn, sink, brokers.bootstrap(), batch, enabled=True)
     conn.execute("SELECT outbox.emit('order', 'warm-up', 'order.created', '{}', NULL, %s)", (sink,))
     while left(conn, sink):
         time.sleep(0.05)
@@ -240,13 +244,13 @@ def native_drain(conn, tansu, sink: str, batch: int, keys: int) -> float:
         time.sleep(min(0.5, max(0.01, rest / 3)))
     last = time.time()
     conn.execute("SELECT outbox.drop_sink(%s)", (sink,))
-    return EVENTS / (last - first_record_at(tansu, sink, skip_key=b"warm-up"))
+    return EVENTS / (last - first_record_at(brokers, sink, skip_key=b"warm-up"))
 
 
-def first_record_at(tansu, topic: str, skip_key: bytes, partitions: int = 4) -> float:
+def first_record_at(brokers, topic: str, skip_key: bytes, partitions: int = 4) -> float:
     """The earliest CreateTime of the topic's records, but for those of skip_key."""
     from confluent_kafka import Consumer, TopicPartition
-    consumer = Consumer({"bootstrap.servers": tansu.bootstrap, "group.id": f"first-{topic}",
+    consumer = Consumer({"bootstrap.servers": brokers.bootstrap(), "group.id": f"first-{topic}",
                          "enable.auto.commit": False})
     consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
     firsts, deadline = {}, time.monotonic() + 10
@@ -282,25 +286,25 @@ def producer_ceiling(bootstrap: str, topic: str, n: int, keys: int) -> float:
     return n / (time.monotonic() - t0)
 
 
-def kafka_native(conn, tansu, rest_hot: float) -> None:
+def kafka_native(conn, brokers, rest_hot: float) -> None:
     """Each run into a topic of its own, between two measurements of the producer ceiling (each
     into a fresh topic) and taken against the higher of its two: the broker's speed drifts over
     a run, so a ceiling measured once, far from a run, misstates it."""
     def topic(name: str) -> str:
-        tansu.create_topic(name, partitions=4)
+        brokers.create_topic(name, partitions=4)
         return name
 
     def ceiling(i: int) -> float:
-        return producer_ceiling(tansu.bootstrap, topic(f"ceiling{i}"), EVENTS, 100_000)
+        return producer_ceiling(brokers.bootstrap(), topic(f"ceiling{i}"), EVENTS, 100_000)
 
     runs = ((100_000, 1000), (1000, 1000), (100_000, 5000), (1000, 5000))
     ceilings = [ceiling(0)]
     results = {}
     for i, (keys, batch) in enumerate(runs, start=1):
         sink = f"native{keys}_{batch}"
-        results[keys, batch] = native_drain(conn, tansu, topic(sink), batch, keys)
+        results[keys, batch] = native_drain(conn, brokers, topic(sink), batch, keys)
         ceilings.append(ceiling(i))
-    print(f"Kafka native (librdkafka into Tansu), {EVENTS:,} events, 4 batches in flight:")
+    print(f"Kafka native (librdkafka into 3-node Kafka, RF 3, acks=all), {EVENTS:,} events, 4 batches in flight:")
     print("  plain producer ceiling (confluent-kafka, same records, no database), before, between and after the runs:")
     print("   " + ", ".join(f"{c:,.0f}" for c in ceilings) + " events/s")
     for i, ((keys, batch), rate) in enumerate(results.items()):
@@ -311,28 +315,59 @@ def kafka_native(conn, tansu, rest_hot: float) -> None:
         print(f"  batches of {batch:,}: hot keys / 100,000 keys  "
               f"{results[1000, batch] / results[100_000, batch]:.2f}x;   "
               f"hot keys native / REST  {results[1000, batch] / rest_hot:.1f}x")
+    sys.stdout.flush()
+    print("Debezium 3.6.1's outbox event router (embedded engine, pgoutput, the README's configuration;")
+    print("  sends a batch, waits for its acks, then commits its offsets, as Debezium Server does):")
+    for keys in (100_000, 1000):
+        rate = debezium_drain(conn, brokers, keys)
+        native = max(results[keys, 1000], results[keys, 5000])
+        print(f"  Debezium, {keys:>7,} keys         {rate:>10,.0f} events/s   "
+              f"native/Debezium  {native / rate:.1f}x  (native's best batch size)")
 
 
-def kafka_latency(conn, tansu) -> None:
+def debezium_drain(conn, brokers, keys: int) -> float:
+    """events/s of Debezium's router draining an EVENTS backlog from the WAL into Kafka, from
+    the first record it hands over to the last ack (the backlog is committed before it starts,
+    as the native sink's is)."""
+    props = readme_properties()
+    topic = f"dbz{keys}."
+    brokers.create_topic(f"{topic}outbox.event.order", partitions=4)
+    conn.execute(f"CREATE PUBLICATION {props['publication.name']} FOR TABLE outbox.events "
+                 "WITH (publish = 'insert', publish_via_partition_root = true)")
+    conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (props["slot.name"],))
+    try:
+        fill(conn, EVENTS, keys=keys)
+        seconds = run_outbox_router(PORT, "bench", brokers.bootstrap(), expect=EVENTS, topic_prefix=topic,
+                                    timeout=900)
+    finally:
+        while conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s",
+                           (props["slot.name"],)).fetchone()[0]:
+            time.sleep(0.1)
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (props["slot.name"],))
+        conn.execute(f"DROP PUBLICATION {props['publication.name']}")
+    return EVENTS / seconds
+
+
+def kafka_latency(conn, brokers) -> None:
     """Commit to broker, as a consumer tailing the topic sees each event id arrive; against a
     plain producer sending at the same pace into the same broker (its send to that arrival)."""
     from confluent_kafka import Producer
     rate, seconds = 1000, 10
-    tansu.create_topic("lat", partitions=4)
-    conn.execute("SELECT outbox.create_sink('kafka_lat', 'kafka', %s)", (f"kafka://{tansu.bootstrap}",))
+    brokers.create_topic("lat", partitions=4)
+    conn.execute("SELECT outbox.create_sink('kafka_lat', 'kafka', %s)", (f"kafka://{brokers.bootstrap()}",))
     time.sleep(1.5)
     # the sink's producer starts with its first batch (about 0.5 s to get its producer id)
     conn.execute("SELECT outbox.emit('order', 'warm', 'order.created', '{}', NULL, 'lat')")
     while left(conn, "kafka_lat"):
         time.sleep(0.05)
-    with Tail(tansu, "lat") as tail:
+    with Tail(brokers, "lat") as tail:
         committed = paced(rate, seconds, lambda i: conn.execute(
             "SELECT outbox.emit('order', %s, 'order.created', '{\"n\": 1}', NULL, 'lat')::text",
             (str(i % 100),)).fetchone()[0])
         ours = tail.percentiles(committed)
     conn.execute("SELECT outbox.drop_sink('kafka_lat')")
-    tansu.create_topic("lat_plain", partitions=4)
-    producer = Producer({"bootstrap.servers": tansu.bootstrap, "enable.idempotence": True, "acks": "all",
+    brokers.create_topic("lat_plain", partitions=4)
+    producer = Producer({"bootstrap.servers": brokers.bootstrap(), "enable.idempotence": True, "acks": "all",
                          "partitioner": "murmur2_random", "linger.ms": 5})
 
     producer.produce("lat_plain", key=b"warm", value=b"{}", headers=[("outbox-id", b"warm")])  # as above
@@ -343,31 +378,67 @@ def kafka_latency(conn, tansu) -> None:
                          headers=[("outbox-id", f"p{i}".encode())])
         producer.poll(0)
         return f"p{i}"
-    with Tail(tansu, "lat_plain") as tail:
+    with Tail(brokers, "lat_plain") as tail:
         theirs = tail.percentiles(paced(rate, seconds, send))
     producer.flush(10)
-    print(f"Kafka native commit-to-broker latency at {rate:,} events/s for {seconds} s (as a consumer sees it):")
+    debezium = debezium_latency(conn, brokers, rate, seconds)
+    print(f"Kafka commit-to-consumer latency at {rate:,} events/s for {seconds} s (as a consumer sees it):")
     print(f"  outbox_ext worker        p50 {ours[0]:6.1f} ms   p99 {ours[1]:6.1f} ms   ({ours[2]:,} events)")
     print(f"  plain producer           p50 {theirs[0]:6.1f} ms   p99 {theirs[1]:6.1f} ms   "
-          f"(send to arrival: the broker's and consumer's share)")
+          f"(send to arrival: the broker's and consumer's share)   worker/producer p99 {ours[1] / theirs[1]:.1f}x")
+    print(f"  Debezium outbox router   p50 {debezium[0]:6.1f} ms   p99 {debezium[1]:6.1f} ms   "
+          f"(its defaults)   Debezium/worker p99 {debezium[1] / ours[1]:.1f}x")
+
+
+def debezium_latency(conn, brokers, rate: int, seconds: int) -> tuple[float, float, int]:
+    """Commit to arrival through Debezium's router (the README's configuration, its defaults
+    otherwise), paced as the native sink's run."""
+    props = readme_properties()
+    prefix = "dbzlat."
+    brokers.create_topic(f"{prefix}outbox.event.order", partitions=4)
+    conn.execute(f"CREATE PUBLICATION {props['publication.name']} FOR TABLE outbox.events "
+                 "WITH (publish = 'insert', publish_via_partition_root = true)")
+    conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (props["slot.name"],))
+    router = start_outbox_router(PORT, "bench", brokers.bootstrap(), expect=1 + rate * seconds,
+                                 topic_prefix=prefix)
+    try:
+        with Tail(brokers, f"{prefix}outbox.event.order", id_header="id") as tail:
+            warm = conn.execute("SELECT outbox.emit('order', 'warm', 'order.created', '{}')::text").fetchone()[0]
+            while warm not in tail.arrivals:   # the engine is up and streaming
+                time.sleep(0.05)
+            result = tail.percentiles(paced(rate, seconds, lambda i: conn.execute(
+                "SELECT outbox.emit('order', %s, 'order.created', '{\"n\": 1}')::text",
+                (str(i % 100),)).fetchone()[0]))
+        wait_outbox_router(router, timeout=120)
+    finally:
+        if router.poll() is None:
+            router.kill()
+        while conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s",
+                           (props["slot.name"],)).fetchone()[0]:
+            time.sleep(0.1)
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (props["slot.name"],))
+        conn.execute(f"DROP PUBLICATION {props['publication.name']}")
+    return result
 
 
 class Tail:
-    """A consumer thread noting when each record (by its outbox-id header) arrives."""
+    """A consumer thread noting when each record (by its id_header, outbox-id unless told)
+    arrives."""
 
-    def __init__(self, tansu, topic: str):
-        self.tansu, self.topic, self.arrivals, self.stop = tansu, topic, {}, threading.Event()
+    def __init__(self, brokers, topic: str, id_header: str = "outbox-id"):
+        self.brokers, self.topic, self.arrivals, self.stop = brokers, topic, {}, threading.Event()
+        self.id_header = id_header
         self.thread = threading.Thread(target=self.run)
 
     def run(self):
         from confluent_kafka import Consumer, TopicPartition
-        consumer = Consumer({"bootstrap.servers": self.tansu.bootstrap, "group.id": self.topic,
+        consumer = Consumer({"bootstrap.servers": self.brokers.bootstrap(), "group.id": self.topic,
                              "fetch.wait.max.ms": 5, "fetch.min.bytes": 1})
         consumer.assign([TopicPartition(self.topic, p, 0) for p in range(4)])
         while not self.stop.is_set():
             for m in consumer.consume(1000, 0.05):
                 if not m.error():
-                    self.arrivals[dict(m.headers())["outbox-id"].decode()] = time.time()
+                    self.arrivals[dict(m.headers())[self.id_header].decode()] = time.time()
         consumer.close()
 
     def __enter__(self):
@@ -465,11 +536,11 @@ def rss(conn) -> None:
 
 
 def rss_kafka(conn) -> None:
-    tansu = Tansu()
-    tansu.create_topic("rss", partitions=4)
-    kafka_sink(conn, "rss", tansu.bootstrap)
+    brokers = KafkaCluster()
+    brokers.create_topic("rss", partitions=4)
+    kafka_sink(conn, "rss", brokers.bootstrap())
     memory_while_draining(conn, "rss", lambda: BACKLOG - left(conn, "rss"), "native Kafka")
-    tansu.close()
+    brokers.close()
 
 
 def memory_while_draining(conn, sink: str, count, what: str) -> None:

@@ -7,5 +7,6 @@ source "$(dirname "$0")/common.sh"
 EVENTS=${1:-200000}
 BACKLOG=${2:-1000000}
 shift 2 || shift $#
-start_bench_cluster deliver "outbox_ext.databases = 'bench'"
+# wal_level logical: the Kafka step runs Debezium beside the native sink
+start_bench_cluster deliver "outbox_ext.databases = 'bench'" "wal_level = logical"
 "$VENV/bin/python" "$(dirname "$0")/deliver.py" "$PORT" "$EVENTS" "$BACKLOG" "$@"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Apache Kafka for the tests' KafkaCluster (tests/support/kafka_cluster.py): its jars from Maven
-# Central and the test CA and stores of its SASL_SSL listener. Everything lands under target/.
-# Source it, or run it with a function's name and its arguments:
+# Apache Kafka for the tests' KafkaCluster (tests/support/kafka_cluster.py) and Debezium for
+# tests/support/debezium.py: their jars from Maven Central, and the test CA and stores of the
+# cluster's SASL_SSL listener. Everything lands under target/. Source it, or run it with a
+# function's name and its arguments:
 #   scripts/kafka.sh fetch_kafka
+#   scripts/kafka.sh fetch_debezium
 #   scripts/kafka.sh kafka_certs DIR [PASSWORD]
 set -euo pipefail
 
@@ -10,22 +12,35 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 KAFKA_POM="$ROOT/scripts/kafka/pom.xml"
 KAFKA_LIBS="$TARGET/kafka/libs"
+DEBEZIUM_POM="$ROOT/scripts/debezium/pom.xml"
+DEBEZIUM_LIBS="$TARGET/debezium/libs"
 
 # The broker, its tools and a logging binding, with every runtime dependency, as jars in
-# target/kafka/libs (run with `java -cp 'target/kafka/libs/*'`). The stamp holds the hash of the
-# pom that made them: a changed pom fetches anew, an unchanged one does nothing. A cold fetch
-# fills ~/.m2 too (about 55 MB).
+# target/kafka/libs (run with `java -cp 'target/kafka/libs/*'`).
 fetch_kafka() {
-    local stamp="$KAFKA_LIBS/.stamp" want
-    want=$(sha256sum "$KAFKA_POM" | cut -d' ' -f1)
-    [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return 0
-    log "Apache Kafka jars from Maven Central into $KAFKA_LIBS"
+    fetch_jars "$KAFKA_POM" "$KAFKA_LIBS" "Apache Kafka"
+}
+
+# Debezium's embedded engine, PostgreSQL connector and outbox event router, with every runtime
+# dependency, as jars in target/debezium/libs (tests/support/debezium.py runs them).
+fetch_debezium() {
+    fetch_jars "$DEBEZIUM_POM" "$DEBEZIUM_LIBS" "Debezium"
+}
+
+# fetch_jars POM DIR NAME: the jars POM lists, and their runtime dependencies, from Maven
+# Central into DIR. The stamp holds the hash of the pom that made them: a changed pom fetches
+# anew, an unchanged one does nothing. A cold fetch fills ~/.m2 too (Kafka about 55 MB,
+# Debezium about 40 MB).
+fetch_jars() {
+    local pom=$1 libs=$2 name=$3 want
+    want=$(sha256sum "$pom" | cut -d' ' -f1)
+    [ "$(cat "$libs/.stamp" 2>/dev/null)" = "$want" ] && return 0
+    log "$name jars from Maven Central into $libs"
     # jars of an older pom must not stay on the class path beside the new ones
-    rm -rf "$KAFKA_LIBS"
-    mvn -q -B -f "$KAFKA_POM" dependency:copy-dependencies \
-        -DoutputDirectory="$KAFKA_LIBS" -DincludeScope=runtime
+    rm -rf "$libs"
+    mvn -q -B -f "$pom" dependency:copy-dependencies -DoutputDirectory="$libs" -DincludeScope=runtime
     # written last, so an interrupted copy is fetched again
-    echo "$want" > "$stamp"
+    echo "$want" > "$libs/.stamp"
 }
 
 # A test CA and, signed by it, a certificate for 127.0.0.1 and localhost (the address the

@@ -12,6 +12,11 @@
 -- earlier events of the batch behind the failed one: what the batch parked is unparked.
 -- outbox.maintain() becomes a short driver over phases (outbox_internal._maint_*), so that a
 -- later change to one phase is one CREATE OR REPLACE.
+-- Outside SQL: the native Kafka sink's format 'debezium' now produces exactly the records of
+-- Debezium's outbox event router as the README configures it (tested against Debezium 3.6.1):
+-- the payload as compact JSON, and the event's headers as one outbox-headers header (a null
+-- value when it has none) instead of one header each. Consumers of that format that read the
+-- event's headers one by one read outbox-headers instead.
 --
 -- A delta: what changed from 0.21.0 to 0.22.0, rerunnable. Released: never edit it.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.22.0'" to load this file. \quit

@@ -19,7 +19,7 @@
 //! The producer lives on the delivery threads (created on first use, where every signal is
 //! blocked, so its threads inherit that mask) and never calls into PostgreSQL.
 
-use super::records::{kafka_topic, record_headers};
+use super::records::{kafka_topic, record_headers, record_value};
 use super::{held_back, Config, Event, Outcome, Verdict};
 use rdkafka::config::ClientConfig;
 use rdkafka::error::KafkaError;
@@ -213,14 +213,15 @@ fn produce(
             .fold(OwnedHeaders::new(), |h, (key, value)| {
                 h.insert(Header {
                     key,
-                    value: Some(value.as_bytes()),
+                    value: value.as_deref().map(str::as_bytes),
                 })
             });
+    let value = record_value(config, event);
     let mut record = BaseRecord::with_opaque_to(topic, Box::new((Arc::clone(batch), i)))
         .key(event.aggregate_id.as_bytes())
         .headers(headers);
-    if let Some(payload) = &event.payload {
-        record = record.payload(payload.as_bytes());
+    if let Some(value) = &value {
+        record = record.payload(value.as_bytes());
     }
     let patience = deadline.min(Instant::now() + QUEUE_FULL_PATIENCE);
     loop {

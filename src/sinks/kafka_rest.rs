@@ -317,7 +317,10 @@ fn v3_body(config: &Config, events: &[&Event]) -> String {
             out.push_str("{\"name\":");
             push_json_str(&mut out, name);
             out.push_str(",\"value\":");
-            push_json_str(&mut out, &BASE64.encode(value));
+            match value {
+                Some(value) => push_json_str(&mut out, &BASE64.encode(value)),
+                None => out.push_str("null"),
+            }
             out.push('}');
         }
         out.push_str("]}\n");
