@@ -160,33 +160,53 @@ def test_immediate_shutdown_mid_stream(faulty):
         receiver.close()
 
 
+def refusing(key: str) -> Receiver:
+    """A receiver that answers 500 to any request holding an event of `key`."""
+    return Receiver(lambda r: (500, {}, b"cannot handle this one")
+                    if any(e["aggregate_id"] == key for e in r.events()) else (200, {}, b""))
+
+
+def poisoned_sink(conn, receiver: Receiver, key: str) -> tuple[str, list[str]]:
+    """A webhook sink that dead-letters after 3 attempts, 1 s apart; and five innocent keys of
+    `key`'s own shard."""
+    sink = webhook(conn, receiver.url, batch_size=50, max_attempts=3, backoff_base="1 s", backoff_max="1 s")
+    shard = conn.execute("SELECT outbox.shard_of(%s)", (key,)).fetchone()[0]
+    neighbours = [k for k in (f"{key}-n{i}" for i in range(400))
+                  if conn.execute("SELECT outbox.shard_of(%s)", (k,)).fetchone()[0] == shard][:5]
+    return sink, neighbours
+
+
+def emit_one(conn, key: str) -> str:
+    return conn.execute("SELECT outbox.emit('order', %s, 'e', '{}')::text", (key,)).fetchone()[0]
+
+
+def dead_lettered(conn, sink: str, n: int) -> list[str]:
+    """The ids of the sink's dead letters in order, once there are n."""
+    rows = wait_for(lambda: (rows := conn.execute(
+        "SELECT event_id::text FROM outbox.dead_letters WHERE consumer = %s ORDER BY id",
+        (sink,)).fetchall()) and len(rows) == n and rows, timeout=60)
+    return [r[0] for r in rows]
+
+
+def sink_state(conn, sink: str) -> str:
+    return conn.execute("SELECT sink_state FROM outbox.status WHERE consumer = %s", (sink,)).fetchone()[0]
+
+
 def test_a_poisoned_key_blocks_only_itself(faulty):
-    receiver = Receiver(lambda r: (500, {}, b"cannot handle this one")
-                        if any(e["aggregate_id"] == "poison" for e in r.events()) else (200, {}, b""))
+    receiver = refusing("poison")
     try:
         with connect(faulty) as conn:
-            sink = webhook(conn, receiver.url, batch_size=50, max_attempts=3,
-                               backoff_base="1 s", backoff_max="1 s")
-            shard = conn.execute("SELECT outbox.shard_of('poison')").fetchone()[0]
-            # innocent keys of the poisoned key's own shard
-            neighbours = [k for k in (f"n{i}" for i in range(400))
-                          if conn.execute("SELECT outbox.shard_of(%s)", (k,)).fetchone()[0] == shard][:5]
-            poison = [conn.execute("SELECT outbox.emit('order', 'poison', 'e', '{}')::text").fetchone()[0]
-                      for _ in range(3)]
-            emitted = {k: [conn.execute("SELECT outbox.emit('order', %s, 'e', '{}')::text", (k,)).fetchone()[0]]
-                       for k in neighbours}
+            sink, neighbours = poisoned_sink(conn, receiver, "poison")
+            poison = [emit_one(conn, "poison") for _ in range(3)]
+            emitted = {k: [emit_one(conn, k)] for k in neighbours}
             wait_for(lambda: conn.execute("SELECT parked_keys FROM outbox.status WHERE consumer = %s",
                                           (sink,)).fetchone()[0] == 1)
             t0 = time.time()
             for k in neighbours:                   # while the poisoned key is parked
-                emitted[k].append(conn.execute("SELECT outbox.emit('order', %s, 'e', '{}')::text",
-                                               (k,)).fetchone()[0])
+                emitted[k].append(emit_one(conn, k))
             wait_for(lambda: len(receiver.accepted_events()) >= 2 * len(neighbours), timeout=10)
             assert time.time() - t0 < 1.0, "the shard went on without the poisoned key"
-            dead = wait_for(lambda: (rows := conn.execute(
-                "SELECT event_id::text FROM outbox.dead_letters WHERE consumer = %s ORDER BY id",
-                (sink,)).fetchall()) and len(rows) == 3 and rows, timeout=60)
-            assert [d[0] for d in dead] == poison, "dead-lettered one by one, in order"
+            assert dead_lettered(conn, sink, 3) == poison, "dead-lettered one by one, in order"
             check_delivery(emitted, receiver.accepted_events())
     finally:
         receiver.close()
@@ -194,31 +214,20 @@ def test_a_poisoned_key_blocks_only_itself(faulty):
 
 def test_a_poisoned_key_first_in_a_new_sinks_stream_blocks_only_itself(faulty):
     """No success yet to tell a poisoned key from a sink that is down: the sink is suspended,
-    and its probe, finding only that key in its shard's window, lets the key wait uncounted, so
-    that the next probe reaches the other keys; then the key is the one blamed."""
-    receiver = Receiver(lambda r: (500, {}, b"cannot handle this one")
-                        if any(e["aggregate_id"] == "first" for e in r.events()) else (200, {}, b""))
+    and its probe, finding that key's events all there is to send, lets the key wait
+    uncounted, so that the next probe reaches the events behind it, in the same shard; then
+    the key is the one blamed."""
+    receiver = refusing("first")
     try:
         with connect(faulty) as conn:
-            sink = webhook(conn, receiver.url, batch_size=50, max_attempts=3,
-                           backoff_base="1 s", backoff_max="1 s")
-            shard = conn.execute("SELECT outbox.shard_of('first')").fetchone()[0]
-            neighbours = [k for k in (f"m{i}" for i in range(400))
-                          if conn.execute("SELECT outbox.shard_of(%s)", (k,)).fetchone()[0] == shard][:5]
-            poison = [conn.execute("SELECT outbox.emit('order', 'first', 'e', '{}')::text").fetchone()[0]
-                      for _ in range(3)]
-            wait_for(lambda: conn.execute("SELECT sink_state FROM outbox.status WHERE consumer = %s",
-                                          (sink,)).fetchone()[0] == "suspended")
-            emitted = {k: [conn.execute("SELECT outbox.emit('order', %s, 'e', '{}')::text", (k,)).fetchone()[0]]
-                       for k in neighbours}
+            sink, neighbours = poisoned_sink(conn, receiver, "first")
+            poison = [emit_one(conn, "first") for _ in range(3)]
+            wait_for(lambda: sink_state(conn, sink) == "suspended")
+            emitted = {k: [emit_one(conn, k)] for k in neighbours}
             wait_for(lambda: len(receiver.accepted_events()) >= len(neighbours), timeout=15)
-            dead = wait_for(lambda: (rows := conn.execute(
-                "SELECT event_id::text FROM outbox.dead_letters WHERE consumer = %s ORDER BY id",
-                (sink,)).fetchall()) and len(rows) == 3 and rows, timeout=60)
-            assert [d[0] for d in dead] == poison, "dead-lettered one by one, in order"
+            assert dead_lettered(conn, sink, 3) == poison, "dead-lettered one by one, in order"
             check_delivery(emitted, receiver.accepted_events())
-            assert conn.execute("SELECT sink_state FROM outbox.status WHERE consumer = %s",
-                                (sink,)).fetchone()[0] == "healthy"
+            assert sink_state(conn, sink) == "healthy"
     finally:
         receiver.close()
 
