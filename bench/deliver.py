@@ -31,7 +31,7 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.debezium import (readme_properties, run_outbox_router, start_outbox_router,  # noqa: E402
+from support.debezium import (readme_slot, run_outbox_router, start_outbox_router,  # noqa: E402
                               wait_outbox_router)
 from support.kafka_cluster import KafkaCluster  # noqa: E402
 from support.peers import KafkaRestFront  # noqa: E402
@@ -329,22 +329,12 @@ def debezium_drain(conn, brokers, keys: int) -> float:
     """events/s of Debezium's router draining an EVENTS backlog from the WAL into Kafka, from
     the first record it hands over to the last ack (the backlog is committed before it starts,
     as the native sink's is)."""
-    props = readme_properties()
     topic = f"dbz{keys}."
     brokers.create_topic(f"{topic}outbox.event.order", partitions=4)
-    conn.execute(f"CREATE PUBLICATION {props['publication.name']} FOR TABLE outbox.events "
-                 "WITH (publish = 'insert', publish_via_partition_root = true)")
-    conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (props["slot.name"],))
-    try:
+    with readme_slot(conn):
         fill(conn, EVENTS, keys=keys)
         seconds = run_outbox_router(PORT, "bench", brokers.bootstrap(), expect=EVENTS, topic_prefix=topic,
                                     timeout=900)
-    finally:
-        while conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s",
-                           (props["slot.name"],)).fetchone()[0]:
-            time.sleep(0.1)
-        conn.execute("SELECT pg_drop_replication_slot(%s)", (props["slot.name"],))
-        conn.execute(f"DROP PUBLICATION {props['publication.name']}")
     return EVENTS / seconds
 
 
@@ -393,31 +383,23 @@ def kafka_latency(conn, brokers) -> None:
 def debezium_latency(conn, brokers, rate: int, seconds: int) -> tuple[float, float, int]:
     """Commit to arrival through Debezium's router (the README's configuration, its defaults
     otherwise), paced as the native sink's run."""
-    props = readme_properties()
     prefix = "dbzlat."
     brokers.create_topic(f"{prefix}outbox.event.order", partitions=4)
-    conn.execute(f"CREATE PUBLICATION {props['publication.name']} FOR TABLE outbox.events "
-                 "WITH (publish = 'insert', publish_via_partition_root = true)")
-    conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (props["slot.name"],))
-    router = start_outbox_router(PORT, "bench", brokers.bootstrap(), expect=1 + rate * seconds,
-                                 topic_prefix=prefix)
-    try:
-        with Tail(brokers, f"{prefix}outbox.event.order", id_header="id") as tail:
-            warm = conn.execute("SELECT outbox.emit('order', 'warm', 'order.created', '{}')::text").fetchone()[0]
-            while warm not in tail.arrivals:   # the engine is up and streaming
-                time.sleep(0.05)
-            result = tail.percentiles(paced(rate, seconds, lambda i: conn.execute(
-                "SELECT outbox.emit('order', %s, 'order.created', '{\"n\": 1}')::text",
-                (str(i % 100),)).fetchone()[0]))
-        wait_outbox_router(router, timeout=120)
-    finally:
-        if router.poll() is None:
-            router.kill()
-        while conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s",
-                           (props["slot.name"],)).fetchone()[0]:
-            time.sleep(0.1)
-        conn.execute("SELECT pg_drop_replication_slot(%s)", (props["slot.name"],))
-        conn.execute(f"DROP PUBLICATION {props['publication.name']}")
+    with readme_slot(conn):
+        router = start_outbox_router(PORT, "bench", brokers.bootstrap(), expect=1 + rate * seconds,
+                                     topic_prefix=prefix)
+        try:
+            with Tail(brokers, f"{prefix}outbox.event.order", id_header="id") as tail:
+                warm = conn.execute("SELECT outbox.emit('order', 'warm', 'order.created', '{}')::text").fetchone()[0]
+                while warm not in tail.arrivals:   # the engine is up and streaming
+                    time.sleep(0.05)
+                result = tail.percentiles(paced(rate, seconds, lambda i: conn.execute(
+                    "SELECT outbox.emit('order', %s, 'order.created', '{\"n\": 1}')::text",
+                    (str(i % 100),)).fetchone()[0]))
+            wait_outbox_router(router, timeout=120)
+        finally:
+            if router.poll() is None:
+                router.kill()
     return result
 
 

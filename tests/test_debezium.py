@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from support.debezium import readme_properties, run_outbox_router
+from support.debezium import readme_slot, run_outbox_router
 from support.peers import wait_for
 
 _types = itertools.count()
@@ -41,18 +41,8 @@ DIFFERENT = {
 
 @pytest.fixture
 def cdc(conn):
-    """The README's publication, and its slot made before any event is emitted (Debezium,
-    with snapshot.mode no_data, starts from the slot); both dropped after the test."""
-    props = readme_properties()
-    publication, slot = props["publication.name"], props["slot.name"]
-    conn.execute(f"CREATE PUBLICATION {publication} FOR TABLE outbox.events "
-                 "WITH (publish = 'insert', publish_via_partition_root = true)")
-    conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
-    yield
-    wait_for(lambda: not conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s",
-                                      (slot,)).fetchone()[0], timeout=30)
-    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-    conn.execute(f"DROP PUBLICATION {publication}")
+    with readme_slot(conn):
+        yield
 
 
 def emit_every_kind(conn, aggregate_type: str) -> int:

@@ -6,10 +6,12 @@ through scripts/kafka.sh fetch_debezium.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -25,6 +27,27 @@ def readme_properties() -> dict[str, str]:
     block = re.search(r"```properties\n(.*?)```", text, re.S).group(1)
     pairs = (line.split("=", 1) for line in block.splitlines() if line.strip() and not line.startswith("#"))
     return {k.strip(): v.strip() for k, v in pairs}
+
+
+@contextlib.contextmanager
+def readme_slot(conn):
+    """The README's publication, and its slot made now (Debezium, with snapshot.mode no_data,
+    starts from the slot: it reads what is committed from here on); both dropped at the end,
+    once Debezium has let go of the slot."""
+    props = readme_properties()
+    publication, slot = props["publication.name"], props["slot.name"]
+    conn.execute(f"CREATE PUBLICATION {publication} FOR TABLE outbox.events "
+                 "WITH (publish = 'insert', publish_via_partition_root = true)")
+    conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+    try:
+        yield
+    finally:
+        deadline = time.monotonic() + 30
+        while conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s",
+                           (slot,)).fetchone()[0] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+        conn.execute(f"DROP PUBLICATION {publication}")
 
 
 def run_outbox_router(pg_port: int, dbname: str, bootstrap: str, expect: int, topic_prefix: str = "",
