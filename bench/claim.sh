@@ -5,6 +5,9 @@
 #   outbox_ext, one call: settle_and_claim (settles the last batch and claims the next)
 #   outbox_ext, 5% failed: claim + settle reporting 5% of the events failed (retried at once)
 #   (each at batches of 100 and 1,000, 1 and 2 relays)
+#   outbox_ext, one hot key failing once: HOT events of one key and HOT of 200 others, batch
+#            500, one relay; the hot key's first event fails once, due again at once; against
+#            the same backlog with no failure (claims and rate)
 #   plain-SQL outbox relay: SELECT ... FOR UPDATE SKIP LOCKED LIMIT n + UPDATE published_at
 #   PgQ 3.5: next_batch + get_batch_events + finish_batch, one consumer (PgQ has one reader
 #            per consumer), ticks every 100 / 1,000 events, and one tick over everything
@@ -32,6 +35,29 @@ CREATE TABLE plain_outbox (
     payload jsonb, created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz);
 CREATE INDEX plain_outbox_unpublished ON plain_outbox (created_at) WHERE published_at IS NULL;
 CREATE TABLE floor_log (shard int, step int);
+-- One relay draining with claim + settle, a transaction each, touching every payload; with
+-- fail_hot, the first event of key 'hot' that comes out fails once (due again at once).
+-- Returns the claims that found something.
+CREATE PROCEDURE drain_hot(fail_hot boolean, batch int, INOUT claims int DEFAULT 0) LANGUAGE plpgsql AS $$
+DECLARE
+    b        outbox.claimed[];
+    failures jsonb;
+    failed   boolean := NOT fail_hot;
+BEGIN
+    LOOP
+        b := ARRAY(SELECT c FROM outbox.claim('bench', batch) c);
+        COMMIT;
+        EXIT WHEN cardinality(b) = 0;
+        claims := claims + 1;
+        PERFORM sum(length(e.payload::text)) FROM unnest(b) e;
+        failures := CASE WHEN NOT failed THEN
+            (SELECT jsonb_build_array(jsonb_build_object('id', e.id, 'error', 'bench', 'retry_after', 0))
+               FROM unnest(b) e WHERE e.aggregate_id = 'hot' ORDER BY e.seq LIMIT 1) END;
+        failed := failed OR failures IS NOT NULL;
+        PERFORM outbox.settle('bench', b[1].shard, b[1].epoch, coalesce(failures, '[]'));
+        COMMIT;
+    END LOOP;
+END $$;
 -- PgQ ticks in their own transactions, every `every` events (NULL: one tick at the end).
 CREATE PROCEDURE fill_pgq(n int, every int) LANGUAGE plpgsql AS $$
 BEGIN
@@ -90,6 +116,21 @@ remaining() {
         plain) sql_value "SELECT count(*) FROM plain_outbox WHERE published_at IS NULL" ;;
         pgq) echo 0 ;;
     esac
+}
+
+# hot FAIL -> "claims events/s": HOT events of key 'hot' and HOT of 200 others drained by
+# drain_hot (FAIL true: the hot key's first event fails once)
+HOT=${HOT:-20000}
+hot() {
+    local start claims
+    sql -c "TRUNCATE outbox.events" -c "SELECT outbox.drop_consumer('bench')" -c "SELECT outbox.create_consumer('bench')" \
+        -c "SELECT count(*) FROM outbox.emit_many('order', 'order.created', array_fill('hot'::text, ARRAY[$HOT]), (SELECT array_agg(jsonb_build_object('i', i)) FROM generate_series(1, $HOT) i))" \
+        -c "SELECT count(*) FROM outbox.emit_many('order', 'order.created', (SELECT array_agg('k' || i % 200) FROM generate_series(1, $HOT) i), (SELECT array_agg(jsonb_build_object('i', i)) FROM generate_series(1, $HOT) i))" \
+        -c "VACUUM ANALYZE" >/dev/null
+    start=$(now_s)
+    claims=$(sql_value "CALL drain_hot($1, 500)")
+    [ "$(outbox_left)" = 0 ] || { echo "the hot-key drain left events behind" >&2; exit 1; }
+    awk -v c="$claims" -v n=$(( 2 * HOT )) -v a="$start" -v b="$(now_s)" 'BEGIN{printf "%d %.0f", c, n/(b-a)}'
 }
 
 # outbox_left -> events outbox_ext has still to deliver (pending, or parked for a retry)
@@ -158,6 +199,11 @@ for round in $(seq "$ROUNDS"); do
         done
         fill pgq "$batch"; measure "pgq_$batch" "PgQ ticks every $batch" drain pgq pgq 1 "$batch"
     done
+    for fail in false true; do
+        read -r c r <<<"$(hot "$fail")"
+        log "hot key, failing once: $fail: $c claims, $r events/s"
+        rate[hot_claims_$fail]="${rate[hot_claims_$fail]:-} $c"; rate[hot_rate_$fail]="${rate[hot_rate_$fail]:-} $r"
+    done
 done
 fill pgq; start=$(now_s)
 sql -c "SELECT count(*) FROM pgq.get_batch_events(pgq.next_batch('bench', 'reader'))" >/dev/null
@@ -181,4 +227,10 @@ done
 echo
 best=0; for k in "${!rate[@]}"; do [[ $k == outbox_* || $k == loop_* ]] && (( rate[$k] > best )) && best=${rate[$k]}; done
 echo "PgQ reading everything as one batch: ${rate[pgq_all]} events/s; best outbox_ext run: $best ($(ratio "$best" "${rate[pgq_all]}"))"
+echo
+echo "One hot key failing once ($HOT events of one key and $HOT of 200 others, batch 500, one relay; targets 1.5x the claims and 0.7x the rate at most/least):"
+echo "| | claims | events/s |"
+echo "| --- | --- | --- |"
+echo "| no failure | ${rate[hot_claims_false]} | ${rate[hot_rate_false]} |"
+echo "| hot key's first event fails once | ${rate[hot_claims_true]} ($(ratio "${rate[hot_claims_true]}" "${rate[hot_claims_false]}")) | ${rate[hot_rate_true]} ($(ratio "${rate[hot_rate_true]}" "${rate[hot_rate_false]}")) |"
 rm -rf "$WORK"

@@ -260,28 +260,36 @@ BEGIN
 END
 $$;
 
--- The parked keys of a shard that are due: their heads, in the order they fell due.
+-- The parked keys of a shard that are due, in the order they fell due, and events of their
+-- queues from the head on, at most lim in all: one of a key whose head is failing (a retry
+-- probes with one event), and an equal share of lim each of a key catching up (its head went
+-- through, or it waits uncounted), so that a key alone drains its queue a full batch at a time.
 CREATE OR REPLACE FUNCTION outbox_internal._due_heads(c outbox.consumers, shard int, lim int)
 RETURNS outbox.claimed[]
     LANGUAGE plpgsql STABLE
 AS $$
+DECLARE
+    due   outbox._parked[] := ARRAY(SELECT p FROM outbox._parked p
+                                     WHERE p.consumer_id = c.id AND p.shard = _due_heads.shard
+                                       AND p.next_attempt_at <= now()
+                                     ORDER BY p.next_attempt_at LIMIT lim);
+    share int := greatest(1, lim / greatest(cardinality(due), 1));
 BEGIN
     RETURN ARRAY(
         SELECT ROW(_due_heads.shard, NULL, q.id, q.topic, q.aggregate_type, q.aggregate_id,
                    q.event_type, q.payload, q.headers, q.created_at, q.seq, p.attempts + 1)::outbox.claimed
-          FROM (SELECT * FROM outbox._parked p
-                 WHERE p.consumer_id = c.id AND p.shard = _due_heads.shard AND p.next_attempt_at <= now()
-                 ORDER BY p.next_attempt_at LIMIT lim) AS p
+          FROM unnest(due) WITH ORDINALITY AS p
          CROSS JOIN LATERAL (SELECT * FROM outbox._parked_events q
                               WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
-                              ORDER BY q.pos LIMIT 1) AS q
-         ORDER BY p.next_attempt_at);
+                              ORDER BY q.pos LIMIT CASE WHEN p.attempts > 0 THEN 1 ELSE share END) AS q
+         ORDER BY p.ordinality, q.pos);
 END
 $$;
 
 -- _claim for a shard with parked keys: the page's events of parked keys join their queues
 -- instead of going out (the shard moves past pages that hold only those), and the batch also
--- holds the due heads. Nothing (and no claim row) when neither is left.
+-- holds the due heads (_due_heads: at most batch_size more). Nothing (and no claim row) when
+-- neither is left.
 CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
                                                 batch_size int, lease interval, owner text,
                                                 seq_mark bigint, x xid8)
@@ -385,7 +393,8 @@ AS 'MODULE_PATHNAME', 'outbox_claim';
 
 COMMENT ON FUNCTION outbox.claim(text, int, interval, text) IS
     'Takes one free shard under a lease and returns its next events in commit order (at most '
-    'batch_size, plus parked keys due for retry); nothing when no shard has work. '
+    'batch_size, plus at most batch_size events of its parked keys due for retry); nothing when '
+    'no shard has work. '
     'Example: SELECT * FROM outbox.claim(''billing-webhook'', 100, ''30 seconds'');';
 
 CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint,

@@ -2,12 +2,14 @@
 --
 -- A failure parks its key: the failed event and every later event of the key are copied, in
 -- order, into a small side queue (_parked_events) as the shard reads past them, and the shard
--- goes on with other keys. The queue's head is retried with exponential backoff and jitter;
--- after max_attempts it goes to outbox.dead_letters and the key moves on. When the queue is
--- empty the key is unparked and flows with its shard again. A failure the sink never judged
--- (settle's "attempted": false) parks the key the same way without counting an attempt.
+-- goes on with other keys. The queue's head is retried alone, with exponential backoff and
+-- jitter; after max_attempts it goes to outbox.dead_letters and the key moves on. Once the head
+-- goes through, the key catches up: its queue goes out in order, batches of it at a time (a
+-- claim's share, sql/claim.sql: _due_heads), and when the queue is empty the key is unparked
+-- and flows with its shard again. A failure the sink never judged (settle's "attempted":
+-- false) parks the key the same way without counting an attempt.
 --
--- Owns: outbox._parked, outbox._parked_events, outbox.dead_letters.
+-- Owns: outbox._parked, outbox._parked_events, outbox.dead_letters, outbox_internal._failure.
 -- Keeps: a key's queued events are its undelivered events, in order; only a transaction that
 -- holds the key's shard row changes them.
 --
@@ -26,8 +28,9 @@ CREATE TABLE IF NOT EXISTS outbox._parked (
     attempts        int         NOT NULL DEFAULT 0,  -- failed attempts of the current head
     next_attempt_at timestamptz NOT NULL,
     last_error      text,
-    nacked_epoch    bigint,                          -- the batch that last failed the head
+    nacked_epoch    bigint,                          -- the batch that last failed the key
     parked_at       timestamptz NOT NULL DEFAULT now(),
+    nacked_seq      bigint,                          -- the event that failed in that batch
     PRIMARY KEY (consumer_id, aggregate_id)  -- no foreign key: see _cursor_log
 );
 
@@ -74,66 +77,80 @@ CREATE INDEX IF NOT EXISTS dead_letters_consumer_aggregate_id_id_idx
 COMMENT ON TABLE outbox.dead_letters IS
     'Events a consumer gave up on after max_attempts, with the last error; outbox.replay re-queues them.';
 
+-- A failure a relay reports (sql/settle.sql), resolved against its batch: the event, its key
+-- and seq, and whether it is a parked key's head (handed out from the key's queue) or an event
+-- read from the shard's window.
+DO $type$
+BEGIN
+    CREATE TYPE outbox_internal._failure AS (
+        event_id     uuid,
+        aggregate_id text,
+        seq          bigint,
+        head         boolean,
+        error        text,
+        retry_after  interval,
+        final        boolean,
+        attempted    boolean   -- false: not sent (the sink's doing): the key waits, uncounted
+    );
+EXCEPTION WHEN duplicate_object THEN NULL;  -- rerun: the type is there
+END
+$type$;
+
 CREATE OR REPLACE FUNCTION outbox_internal._backoff(c outbox.consumers, attempts int) RETURNS interval
     LANGUAGE sql VOLATILE
     RETURN least(c.backoff_max, c.backoff_base * power(2, least(attempts - 1, 30)))
            * (0.5 + random() / 2);
 
--- The head of a parked key failed: count it, schedule the retry; past max_attempts (or at once
--- when the failure is final) move the head to dead_letters and let the key move on.
-CREATE OR REPLACE FUNCTION outbox_internal._head_failed(c outbox.consumers, key text, error text,
-                                    retry_after interval, epoch bigint, final boolean) RETURNS void
+-- Parked keys failed, each at one event (failures: each key's first failed event of a batch,
+-- epoch, resolved by settle): its head, or an event of its queue handed out behind heads that
+-- went through (those leave the queue when the batch settles: _deliver_rest reads nacked_seq).
+-- Each failure is counted and its retry scheduled; past max_attempts (or at once when the
+-- failure is final) the event moves to dead_letters and its key moves on. A failure not
+-- attempted (the sink throttled, lacked its topic, ran out of time) counts nothing and kills
+-- nothing: its retry is scheduled as if the current attempt had failed. Set-based: the same
+-- few statements for one failure or hundreds.
+CREATE OR REPLACE FUNCTION outbox_internal._keys_failed(c outbox.consumers, failures outbox_internal._failure[],
+                                                        epoch bigint) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    n int;
+    dead_ids      uuid[];
+    dead_attempts int[];
+    dead_errors   text[];
 BEGIN
-    UPDATE outbox._parked p
-       SET attempts = p.attempts + 1, last_error = error, nacked_epoch = epoch,
-           next_attempt_at = now() + coalesce(retry_after, outbox_internal._backoff(c, p.attempts + 1))
-     WHERE p.consumer_id = c.id AND p.aggregate_id = key
-    RETURNING p.attempts INTO n;
-    IF n < c.max_attempts AND NOT final THEN
+    WITH counted AS (
+        UPDATE outbox._parked p
+           SET attempts = p.attempts + CASE WHEN f.attempted IS FALSE THEN 0 ELSE 1 END,
+               last_error = f.error, nacked_epoch = epoch, nacked_seq = f.seq,
+               next_attempt_at = now() + coalesce(f.retry_after, outbox_internal._backoff(c,
+                   CASE WHEN f.attempted IS FALSE THEN greatest(p.attempts, 1) ELSE p.attempts + 1 END))
+          FROM unnest(failures) f
+         WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id
+        RETURNING f.event_id, f.error, f.final, f.attempted, p.attempts)
+    SELECT array_agg(k.event_id), array_agg(k.attempts), array_agg(k.error)
+      INTO dead_ids, dead_attempts, dead_errors
+      FROM counted k
+     WHERE k.attempted IS NOT FALSE AND (k.final OR k.attempts >= c.max_attempts);
+    IF dead_ids IS NULL THEN
         RETURN;
     END IF;
-    WITH head AS (
+    WITH dead AS (
         DELETE FROM outbox._parked_events q
-         WHERE (q.consumer_id, q.aggregate_id, q.pos) =
-               (SELECT h.consumer_id, h.aggregate_id, h.pos FROM outbox._parked_events h
-                 WHERE h.consumer_id = c.id AND h.aggregate_id = key ORDER BY h.pos LIMIT 1)
-        RETURNING q.*)
+         USING unnest(dead_ids, dead_attempts, dead_errors) AS d(id, attempts, error)
+         WHERE q.consumer_id = c.id AND q.id = d.id
+        RETURNING q.*, d.attempts AS n, d.error AS error)
     INSERT INTO outbox.dead_letters (consumer, event_id, topic, aggregate_type, aggregate_id,
                                      event_type, payload, headers, created_at, seq, attempts, last_error)
-    SELECT c.name, h.id, h.topic, h.aggregate_type, h.aggregate_id, h.event_type, h.payload,
-           h.headers, h.created_at, h.seq, n, error
-      FROM head h;
+    SELECT c.name, d.id, d.topic, d.aggregate_type, d.aggregate_id, d.event_type, d.payload,
+           d.headers, d.created_at, d.seq, d.n, d.error
+      FROM dead d ORDER BY d.seq;
+    -- their keys move on: the next event is due at once, and a key with none is unparked
     UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
-     WHERE p.consumer_id = c.id AND p.aggregate_id = key;
-    PERFORM outbox_internal._unpark_if_empty(c.id, key);
-END
-$$;
-
--- The head of a parked key was not attempted (the sink throttled, lacked its topic, ran out of
--- time): nothing is counted and nothing dead-lettered; the retry is scheduled as if the
--- current attempt had failed.
-CREATE OR REPLACE FUNCTION outbox_internal._head_waits(c outbox.consumers, key text, error text,
-                                              retry_after interval, epoch bigint) RETURNS void
-    LANGUAGE plpgsql VOLATILE
-AS $$
-BEGIN
-    UPDATE outbox._parked p
-       SET last_error = error, nacked_epoch = epoch,
-           next_attempt_at = now() + coalesce(retry_after, outbox_internal._backoff(c, greatest(p.attempts, 1)))
-     WHERE p.consumer_id = c.id AND p.aggregate_id = key;
-END
-$$;
-
-CREATE OR REPLACE FUNCTION outbox_internal._unpark_if_empty(consumer_id int, key text) RETURNS void
-    LANGUAGE plpgsql VOLATILE
-AS $$
-BEGIN
+      FROM unnest(failures) f
+     WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id AND f.event_id = ANY (dead_ids);
     DELETE FROM outbox._parked p
-     WHERE p.consumer_id = _unpark_if_empty.consumer_id AND p.aggregate_id = _unpark_if_empty.key
+     USING unnest(failures) f
+     WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id AND f.event_id = ANY (dead_ids)
        AND NOT EXISTS (SELECT FROM outbox._parked_events q
                         WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
 END

@@ -14,25 +14,6 @@
 -- Rerunnable: tables and indexes only where missing, functions replaced. A changed table needs
 -- its own ALTER in the upgrade script.
 
--- Settling a batch (outbox.settle; ack, nack and reject are its thin forms). A failure a relay
--- reports, resolved against its batch: the event, its key and seq, and whether it is a parked
--- key's head (handed out from the key's queue) or an event read from the shard's window.
-DO $type$
-BEGIN
-    CREATE TYPE outbox_internal._failure AS (
-        event_id     uuid,
-        aggregate_id text,
-        seq          bigint,
-        head         boolean,
-        error        text,
-        retry_after  interval,
-        final        boolean,
-        attempted    boolean   -- false: not sent (the sink's doing): the key waits, uncounted
-    );
-EXCEPTION WHEN duplicate_object THEN NULL;  -- rerun: the type is there
-END
-$type$;
-
 -- A failure's own arguments, checked before the batch is looked at.
 CREATE OR REPLACE FUNCTION outbox_internal._check_failure(event_id uuid, retry_after interval) RETURNS void
     LANGUAGE plpgsql IMMUTABLE
@@ -134,78 +115,94 @@ BEGIN
 END
 $$;
 
--- Record a key's failure, f being its first failed event in the batch. A head counts a failed
--- attempt of its queue (not when f was not attempted: then it only waits). An event of the
--- window parks its key: it and the key's later events of the batch are queued, in order.
--- Returns how many events of the batch this kept back.
--- A failure of the key reported earlier for this batch (nack, reject) already queued or
--- dead-lettered its events from some point on: reported again from there or after, nothing
--- changes; from before it, the events in between would be acked unsent, so that is refused.
-CREATE OR REPLACE FUNCTION outbox_internal._fail_key(c outbox.consumers, cur outbox._cursor_log,
-                                            batch outbox.events[], f outbox_internal._failure) RETURNS int
+-- Record a batch's failures: firsts holds each failing key's first failed event (resolved by
+-- _resolve), batch the batch's events of those keys. An event of a parked key's queue (a
+-- head) counts a failed attempt of its key; the key's heads before it went through, and leave
+-- the queue when the batch settles. An event of the window parks its key: it and the key's
+-- later events of the batch are queued, in order. Counting is _keys_failed's. Set-based: the
+-- same few statements for one failure or hundreds. Returns how many events of the batch this
+-- kept back.
+-- A key failed in this batch before (nack, reject) kept its events back from some point on:
+-- reported again from there or after, nothing changes; from before it, the events in between
+-- would be acked unsent, so that is refused.
+CREATE OR REPLACE FUNCTION outbox_internal._fail_keys(c outbox.consumers, cur outbox._cursor_log,
+                                             batch outbox.events[], firsts outbox_internal._failure[]) RETURNS int
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    later       outbox.events[];
-    parked      int;
-    key_events  uuid[];
-    failed_from bigint;
+    fresh  outbox_internal._failure[];  -- the keys not failed in this batch before
+    early  uuid;
+    parked text[];
+    kept   int;
 BEGIN
-    IF NOT f.head THEN
-        key_events := ARRAY(SELECT b.id FROM unnest(batch) b WHERE b.aggregate_id = f.aggregate_id);
-        failed_from := least(
-            (SELECT min(q.seq) FROM outbox._parked_events q
-              WHERE q.consumer_id = c.id AND q.aggregate_id = f.aggregate_id AND q.id = ANY (key_events)),
-            (SELECT min(d.seq) FROM outbox.dead_letters d
-              WHERE d.consumer = c.name AND d.aggregate_id = f.aggregate_id AND d.event_id = ANY (key_events)));
-        IF f.seq < failed_from THEN
-            RAISE EXCEPTION 'event % comes before an event of its key already reported failed in this batch',
-                    f.event_id
-                USING ERRCODE = 'invalid_parameter_value',
-                      HINT = 'Report a key''s failures in batch order, or all at once with outbox.settle.';
-        ELSIF failed_from IS NOT NULL THEN
-            RETURN 0;  -- the key failed in this batch already, from this event or before it
-        END IF;
+    -- where each key failed in this batch before, if it did: a head's key by its record, a
+    -- window event's key by its events of the batch already queued or dead-lettered
+    WITH before AS (
+        SELECT f, CASE WHEN f.head THEN
+                   (SELECT p.nacked_seq FROM outbox._parked p
+                     WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id
+                       AND p.nacked_epoch = cur.epoch)
+               ELSE (SELECT min(x.seq) FROM unnest(batch) b
+                      CROSS JOIN LATERAL (
+                          SELECT q.seq FROM outbox._parked_events q
+                           WHERE q.consumer_id = c.id AND q.id = b.id
+                          UNION ALL
+                          SELECT d.seq FROM outbox.dead_letters d
+                           WHERE d.consumer = c.name AND d.aggregate_id = b.aggregate_id AND d.event_id = b.id) x
+                      WHERE b.aggregate_id = f.aggregate_id)
+               END AS failed_from
+          FROM unnest(firsts) f)
+    SELECT (SELECT (b.f).event_id FROM before b WHERE (b.f).seq < b.failed_from LIMIT 1),
+           ARRAY(SELECT b.f FROM before b WHERE b.failed_from IS NULL)
+      INTO early, fresh;
+    IF early IS NOT NULL THEN
+        RAISE EXCEPTION 'event % comes before an event of its key already reported failed in this batch', early
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Report a key''s failures in batch order, or all at once with outbox.settle.';
+    END IF;
+    kept := (SELECT count(*) FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
+              WHERE NOT f.head AND b.seq >= f.seq)
+          + (SELECT count(*) FROM unnest(fresh) f JOIN outbox._parked_events q
+                ON q.consumer_id = c.id AND q.aggregate_id = f.aggregate_id
+              WHERE f.head AND q.id = ANY (cur.heads) AND q.seq >= f.seq);
+    -- window events park their keys; a key parked meanwhile (a replay) keeps its record: its
+    -- events wait behind its queue, nothing counted
+    WITH made AS (
         INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
-        VALUES (c.id, f.aggregate_id, cur.shard, now())
-        ON CONFLICT DO NOTHING;
-        GET DIAGNOSTICS parked = ROW_COUNT;
-        later := ARRAY(SELECT b FROM unnest(batch) b
-                        WHERE b.aggregate_id = f.aggregate_id AND b.seq >= f.seq ORDER BY b.seq);
-        PERFORM outbox_internal._queue_parked(c.id, later);
-        IF parked = 0 THEN
-            RETURN cardinality(later);  -- parked meanwhile (a replay): they wait behind its queue
-        END IF;
-    END IF;
-    IF f.attempted IS FALSE THEN
-        PERFORM outbox_internal._head_waits(c, f.aggregate_id, f.error, f.retry_after, cur.epoch);
-    ELSE
-        PERFORM outbox_internal._head_failed(c, f.aggregate_id, f.error, f.retry_after, cur.epoch, f.final);
-    END IF;
-    RETURN CASE WHEN f.head THEN 1 ELSE cardinality(later) END;
+        SELECT c.id, f.aggregate_id, cur.shard, now() FROM unnest(fresh) f WHERE NOT f.head
+        ON CONFLICT DO NOTHING
+        RETURNING aggregate_id)
+    SELECT array_agg(m.aggregate_id) INTO parked FROM made m;
+    PERFORM outbox_internal._queue_parked(c.id, ARRAY(
+        SELECT b FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
+         WHERE NOT f.head AND b.seq >= f.seq ORDER BY b.seq));
+    PERFORM outbox_internal._keys_failed(c, ARRAY(SELECT f FROM unnest(fresh) f
+                                                   WHERE f.head OR f.aggregate_id = ANY (parked)),
+                                         cur.epoch);
+    RETURN kept;
 END
 $$;
 
--- _fail_key, and if recording the failure itself fails, the key parked with that reason in
--- place of the relay's error and retried: the rest of the batch still settles, and the reason
--- shows in outbox.status.last_error.
+-- _fail_keys for one key, and if recording the failure itself fails, the key parked with that
+-- reason in place of the relay's error and retried: the rest of the batch still settles, and
+-- the reason shows in outbox.status.last_error.
 CREATE OR REPLACE FUNCTION outbox_internal._fail_key_or_say_why(c outbox.consumers, cur outbox._cursor_log,
                                                        batch outbox.events[], f outbox_internal._failure) RETURNS int
     LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
-    RETURN outbox_internal._fail_key(c, cur, batch, f);
+    RETURN outbox_internal._fail_keys(c, cur, batch, ARRAY[f]);
 EXCEPTION WHEN OTHERS THEN
     f.error := format('settling this failure failed: %s (the relay said: %s)', SQLERRM, left(f.error, 1000));
     f.retry_after := NULL;
     f.final := false;
-    RETURN outbox_internal._fail_key(c, cur, batch, f);
+    RETURN outbox_internal._fail_keys(c, cur, batch, ARRAY[f]);
 END
 $$;
 
 -- The hold-back rule, in one place: a key's first failure in batch order fails the key, and its
 -- later events in the batch wait behind it whatever the relay said of them. The failures are
--- recorded together; only if that fails, each on its own (a subtransaction each: kept for the
+-- recorded together (_fail_keys); only if that fails, each on its own (a subtransaction each: kept for the
 -- rare case, as many of them slow every snapshot of the cluster). Returns the events kept back.
 CREATE OR REPLACE FUNCTION outbox_internal._fail_batch(c outbox.consumers, cur outbox._cursor_log,
                                               failures outbox_internal._failure[]) RETURNS int
@@ -231,9 +228,7 @@ BEGIN
                     WHERE b.aggregate_id IN (SELECT k.aggregate_id FROM unnest(firsts) k)
                     ORDER BY b.seq);
     BEGIN
-        FOREACH f IN ARRAY firsts LOOP
-            kept := kept + outbox_internal._fail_key(c, cur, batch, f);
-        END LOOP;
+        kept := outbox_internal._fail_keys(c, cur, batch, firsts);
     EXCEPTION WHEN OTHERS THEN
         kept := 0;
         FOREACH f IN ARRAY firsts LOOP
@@ -244,29 +239,32 @@ BEGIN
 END
 $$;
 
--- The rest of a settled batch is delivered: parked heads handed out and not failed in this
--- batch leave their queues, and the shard moves past the batch.
+-- The rest of a settled batch is delivered: parked keys' heads handed out and not failed in
+-- this batch (those before the key's failure, if it failed) leave their queues, and the shard
+-- moves past the batch.
 CREATE OR REPLACE FUNCTION outbox_internal._deliver_rest(c outbox.consumers, cur outbox._cursor_log) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    keys text[];
+    through text[];  -- keys whose heads all went through: their next heads are due at once
+    touched text[];  -- keys that lost heads: unparked if their queues are now empty
 BEGIN
     IF cardinality(cur.heads) > 0 THEN
-        -- set-based (a batch may hold hundreds of heads): out of their queues, their keys'
-        -- next heads due at once, and the keys whose queues are now empty unparked
+        -- set-based (a batch may hold hundreds of heads)
         WITH delivered AS (
             DELETE FROM outbox._parked_events q
              USING outbox._parked p
              WHERE q.consumer_id = c.id AND q.id = ANY (cur.heads)
                AND p.consumer_id = q.consumer_id AND p.aggregate_id = q.aggregate_id
-               AND p.nacked_epoch IS DISTINCT FROM cur.epoch
-            RETURNING q.aggregate_id)
-        SELECT array_agg(d.aggregate_id) INTO keys FROM delivered d;
+               AND (p.nacked_epoch IS DISTINCT FROM cur.epoch OR q.seq < p.nacked_seq)
+            RETURNING q.aggregate_id, p.nacked_epoch IS NOT DISTINCT FROM cur.epoch AS failed)
+        SELECT array_agg(DISTINCT d.aggregate_id) FILTER (WHERE NOT d.failed), array_agg(DISTINCT d.aggregate_id)
+          INTO through, touched
+          FROM delivered d;
         UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
-         WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (keys);
+         WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (through);
         DELETE FROM outbox._parked p
-         WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (keys)
+         WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (touched)
            AND NOT EXISTS (SELECT FROM outbox._parked_events q
                             WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
     END IF;
@@ -290,7 +288,7 @@ BEGIN
     batch := CASE WHEN event_id = ANY (cur.heads) THEN '{}' ELSE outbox_internal._batch(cur) END;
     f := outbox_internal._resolve(c, cur, batch, f);
     IF f.aggregate_id IS NOT NULL THEN
-        PERFORM outbox_internal._fail_key(c, cur, batch, f);
+        PERFORM outbox_internal._fail_keys(c, cur, batch, ARRAY[f]);
     END IF;
 END
 $$;

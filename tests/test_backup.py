@@ -38,7 +38,9 @@ CONTENTS = {
     "consumers": "SELECT * FROM outbox.consumers ORDER BY id",
     "cursors": "SELECT DISTINCT ON (consumer_id, shard) * FROM outbox._cursor_log"
                " ORDER BY consumer_id, shard, pos DESC",
-    "parked": "SELECT * FROM outbox._parked ORDER BY consumer_id, aggregate_id",
+    # (nacked_seq, new in 0.23.0, is read only within the batch that set it)
+    "parked": "SELECT consumer_id, aggregate_id, shard, attempts, next_attempt_at, last_error, nacked_epoch,"
+              " parked_at FROM outbox._parked ORDER BY consumer_id, aggregate_id",
     "parked_events": "SELECT * FROM outbox._parked_events ORDER BY pos",
     "dead_letters": "SELECT * FROM outbox.dead_letters ORDER BY id",
     # (updated_at stamps the row's last write: the restore's)
@@ -75,7 +77,8 @@ def busy_outbox(conn) -> dict:
     conn.execute("SELECT inbox.claim('00000000-0000-4000-8000-000000000000', 'svc')")  # not UUIDv7
     relay = Relay(conn, "c1", batch_size=50)
     # the first batch: one key fails (parked, its events queue), another's first event is
-    # refused (a dead letter; its later events queue behind it); the rest is acked
+    # refused (a dead letter; its later events queue, and go out with its shard's next batch);
+    # the rest is acked
     acked = []
     batch = relay.claim()
     while len({e.aggregate_id for e in batch}) < 2:    # a shard of one key: take the next
@@ -92,7 +95,9 @@ def busy_outbox(conn) -> dict:
         relay.ack(batch[0].shard, batch[0].epoch)
         acked += batch
     out = relay.claim()                         # a batch out at dump time
-    assert out and conn.execute("SELECT count(*) FROM outbox._parked").fetchone()[0] == 2
+    # (the refused key, its failure dead-lettered, catches up when its shard is claimed)
+    assert out and conn.execute("SELECT count(*) FROM outbox._parked WHERE aggregate_id = %s",
+                                (parked_key,)).fetchone()[0] == 1
     assert conn.execute("SELECT count(*) FROM outbox.dead_letters").fetchone()[0] == 1
     return {"emitted": emitted, "acked": {str(e.id) for e in acked}, "out": {str(e.id) for e in out},
             "dead": str(refused.id)}
