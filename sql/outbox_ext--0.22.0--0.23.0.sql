@@ -11,9 +11,11 @@
 -- same few statements for one failure or hundreds) instead of several statements per failed
 -- key; nack and reject take the same path. The failure type moves to sql/parking.sql
 -- (unchanged).
--- Outside SQL: when a suspended sink's row is updated, the worker gives back the probes still
--- out with the old settings at once (they could hold their shards until their request timeout),
--- so the fixed settings deliver at once.
+-- A change of outbox.sinks has the worker reread the sinks when it commits
+-- (_reload_sinks_at_commit, called by the sinks trigger) instead of up to a second later; and
+-- when a suspended sink's row changes, the worker gives back the probes still out with the old
+-- settings (they could hold their shards until their request timeout): a fixed credential
+-- delivers at once.
 --
 -- A delta: what changed from 0.22.0 to 0.23.0, rerunnable.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.23.0'" to load this file. \quit
@@ -290,6 +292,99 @@ COMMENT ON FUNCTION outbox.claim(text, int, interval, text) IS
     'no shard has work. '
     'Example: SELECT * FROM outbox.claim(''billing-webhook'', 100, ''30 seconds'');';
 
+-- When the transaction commits, the database's worker rereads outbox.sinks at once instead of
+-- on its next reload, a second later at most (src/wake.rs): a fixed credential is tried at once.
+CREATE OR REPLACE FUNCTION outbox_internal._reload_sinks_at_commit() RETURNS void
+    LANGUAGE c VOLATILE AS 'MODULE_PATHNAME', 'outbox_reload_sinks_at_commit';
+
+-- Every check a sink row must pass, with the fix in the hint; also stamps updated_at (the
+-- worker rebuilds a sink's client when it changes) and has the worker reread the sinks when
+-- the transaction commits. SECURITY DEFINER: it calls internal helpers that admins cannot
+-- execute directly.
+CREATE OR REPLACE FUNCTION outbox_internal._check_sink() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    topic   text;
+    kafka   boolean := NEW.kind = 'kafka';
+    formats text[] := CASE NEW.kind WHEN 'webhook' THEN ARRAY['batch', 'single']
+                                    WHEN 'kafka' THEN ARRAY['outbox', 'debezium']
+                                    WHEN 'kafka_rest_v2' THEN ARRAY['json', 'binary']
+                                    WHEN 'kafka_rest_v3' THEN ARRAY['json', 'binary', 'string'] END;
+BEGIN
+    PERFORM outbox_internal._not_null(NEW.kind IS NULL, 'kind', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.url IS NULL, 'url', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.batch_size IS NULL, 'batch_size', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.concurrency IS NULL, 'concurrency', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.connect_timeout IS NULL, 'connect_timeout', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.request_timeout IS NULL, 'request_timeout', 'outbox.create_sink');
+    PERFORM outbox_internal._not_null(NEW.enabled IS NULL, 'enabled', 'outbox.sinks');
+    PERFORM outbox_internal._not_null(NEW.linger IS NULL, 'linger', 'outbox.create_sink');
+    IF cardinality(NEW.topics) = 0 OR cardinality(NEW.aggregate_types) = 0
+       OR array_position(NEW.topics, NULL) IS NOT NULL
+       OR array_position(NEW.aggregate_types, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION 'topics and aggregate_types must be NULL (all) or lists of names'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'An empty list or a NULL in one would match nothing: pass NULL for all.';
+    END IF;
+    IF formats IS NULL THEN
+        RAISE EXCEPTION 'unknown sink kind "%"', NEW.kind USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'kind is webhook, kafka, kafka_rest_v2 or kafka_rest_v3.';
+    END IF;
+    NEW.format := coalesce(NEW.format, formats[1]);
+    IF NOT NEW.format = ANY (formats) THEN
+        RAISE EXCEPTION 'format "%" does not fit a % sink', NEW.format, NEW.kind
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = format('Use one of %s, or NULL for %s.', array_to_string(formats, ', '), formats[1]);
+    END IF;
+    IF NOT kafka AND NEW.url !~ '^https?://[^/?#\s]+[^\s]*$' THEN
+        RAISE EXCEPTION 'invalid sink URL "%"', NEW.url USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Give an absolute http:// or https:// URL, e.g. https://hooks.example.com/outbox.';
+    END IF;
+    IF NEW.batch_size NOT BETWEEN 1 AND 10000 OR NEW.concurrency NOT BETWEEN 1 AND 64 THEN
+        RAISE EXCEPTION 'batch_size % or concurrency % is out of range', NEW.batch_size, NEW.concurrency
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'batch_size is 1 to 10000; concurrency is 1 to 64.';
+    END IF;
+    IF NOT (NEW.connect_timeout > '0' AND NEW.request_timeout > '0'
+            AND NEW.connect_timeout <= '1 hour' AND NEW.request_timeout <= '1 hour') THEN
+        RAISE EXCEPTION 'timeouts must be positive and at most an hour'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. connect_timeout => ''5 s'', request_timeout => ''30 s''.';
+    END IF;
+    IF NOT outbox_internal._is_string_map(NEW.http_headers) OR NOT outbox_internal._is_string_map(NEW.topic_map) THEN
+        RAISE EXCEPTION 'http_headers and topic_map must be JSON objects of strings'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'E.g. ''{"Authorization": "Bearer t0ken"}''.';
+    END IF;
+    IF EXISTS (SELECT FROM jsonb_each_text(NEW.topic_map) AS m(k, v)
+                WHERE v !~ '^[A-Za-z0-9._-]{1,249}$' OR v IN ('.', '..')) THEN
+        RAISE EXCEPTION 'topic_map renames to a name that is not a Kafka topic name'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Kafka topics are 1 to 249 of [A-Za-z0-9._-], not "." or "..".';
+    END IF;
+    PERFORM outbox_internal._check_kafka_settings(NEW);
+    -- the URL of a kafka sink, the secret's key, each header, each CA certificate: as the
+    -- worker will use them (Rust)
+    PERFORM outbox_internal._check_sink_settings(NEW.kind, NEW.url, NEW.secret, NEW.http_headers, NEW.tls_ca);
+    -- topics filter event topics; a name that topic_map only renames to is a Kafka topic
+    FOR topic IN SELECT t FROM unnest(NEW.topics) AS t
+                  WHERE NEW.topic_map IS NOT NULL AND NOT NEW.topic_map ? t
+                    AND t IN (SELECT v FROM jsonb_each_text(NEW.topic_map) AS m(k, v)) LOOP
+        RAISE NOTICE 'sink "%": topics lists "%", a Kafka topic that topic_map renames to; events are matched by their own topic', NEW.name, topic
+            USING HINT = format('List the event topics instead (%s), or drop topic_map.',
+                                (SELECT string_agg(k, ', ') FROM jsonb_each_text(NEW.topic_map) AS m(k, v) WHERE v = topic));
+    END LOOP;
+    IF NEW.kind = 'kafka_rest_v3' AND coalesce(NEW.cluster_id, '') = '' THEN
+        RAISE EXCEPTION 'a kafka_rest_v3 sink needs its cluster_id' USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'Pass cluster_id => ''...''; GET /v3/clusters on the proxy lists it.';
+    END IF;
+    NEW.updated_at := now();
+    PERFORM outbox_internal._reload_sinks_at_commit();
+    RETURN NEW;
+END
+$$;
+
+
 REVOKE ALL ON FUNCTION outbox_internal._keys_failed(outbox.consumers, outbox_internal._failure[], bigint),
                        outbox_internal._fail_keys(outbox.consumers, outbox._cursor_log, outbox.events[],
-                                                  outbox_internal._failure[]) FROM PUBLIC;
+                                                  outbox_internal._failure[]),
+                       outbox_internal._reload_sinks_at_commit() FROM PUBLIC;

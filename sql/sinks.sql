@@ -61,9 +61,15 @@ CREATE TABLE IF NOT EXISTS outbox._sink_stats (
     suspensions       bigint      NOT NULL DEFAULT 0
 );
 
+-- When the transaction commits, the database's worker rereads outbox.sinks at once instead of
+-- on its next reload, a second later at most (src/wake.rs): a fixed credential is tried at once.
+CREATE OR REPLACE FUNCTION outbox_internal._reload_sinks_at_commit() RETURNS void
+    LANGUAGE c VOLATILE AS 'MODULE_PATHNAME', 'outbox_reload_sinks_at_commit';
+
 -- Every check a sink row must pass, with the fix in the hint; also stamps updated_at (the
--- worker rebuilds a sink's client when it changes). SECURITY DEFINER: it calls internal
--- helpers that admins cannot execute directly.
+-- worker rebuilds a sink's client when it changes) and has the worker reread the sinks when
+-- the transaction commits. SECURITY DEFINER: it calls internal helpers that admins cannot
+-- execute directly.
 CREATE OR REPLACE FUNCTION outbox_internal._check_sink() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
@@ -141,6 +147,7 @@ BEGIN
             HINT = 'Pass cluster_id => ''...''; GET /v3/clusters on the proxy lists it.';
     END IF;
     NEW.updated_at := now();
+    PERFORM outbox_internal._reload_sinks_at_commit();
     RETURN NEW;
 END
 $$;

@@ -13,11 +13,7 @@ use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 
-#[unsafe(no_mangle)]
-pub extern "C" fn pg_finfo_outbox_guard_drop() -> &'static pg_sys::Pg_finfo_record {
-    const V1: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
-    &V1
-}
+v1!(pg_finfo_outbox_guard_drop);
 
 /// The event trigger on DROP EXTENSION, DROP LANGUAGE and DROP OWNED (ddl_command_start, while
 /// our tables still exist): when the statement may drop outbox_ext and something would be lost,

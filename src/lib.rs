@@ -3,6 +3,18 @@
 //! Events are written in the caller's transaction (`emit`), read in commit order per shard
 //! (`claim`), and delivered by a background worker (`worker`, `sinks`).
 
+/// The version-1 call convention record PostgreSQL looks up for each C function declared in
+/// sql/ (`LANGUAGE c ... AS 'MODULE_PATHNAME', 'name'`): `v1!(pg_finfo_name)`.
+macro_rules! v1 {
+    ($($finfo:ident),*) => {$(
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $finfo() -> &'static pgrx::pg_sys::Pg_finfo_record {
+            const V1: pgrx::pg_sys::Pg_finfo_record = pgrx::pg_sys::Pg_finfo_record { api_version: 1 };
+            &V1
+        }
+    )*};
+}
+
 mod backup;
 mod claim;
 mod emit;

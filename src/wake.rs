@@ -6,7 +6,10 @@
 //! Only workers write the table, so no session can keep workers out of a database (an
 //! advisory lock, which any role may take, could). emit marks its transaction; when that
 //! transaction commits, its backend sets the latch of the slot's worker, so delivery starts at
-//! once instead of on the next poll.
+//! once instead of on the next poll. A change of outbox.sinks marks its transaction the same
+//! way (`_reload_sinks_at_commit`, called by the sinks trigger), and its commit also asks the
+//! worker to reread the sinks at once: a fixed credential is tried without waiting for the
+//! worker's next reload.
 //!
 //! Only active when outbox_ext is in shared_preload_libraries (the shared table needs it).
 //! Prepared transactions are not woken for (their COMMIT PREPARED may run anywhere); the
@@ -25,6 +28,8 @@ struct Slot {
     pid: AtomicI32,
     /// The worker's PGPROC (shared memory, same address in every process), or 0.
     proc: AtomicUsize,
+    /// A committed transaction changed outbox.sinks: the worker is to reread them.
+    sinks_changed: AtomicBool,
 }
 
 pub struct Workers {
@@ -41,6 +46,7 @@ impl Default for Workers {
                 database: AtomicU32::new(0),
                 pid: AtomicI32::new(0),
                 proc: AtomicUsize::new(0),
+                sinks_changed: AtomicBool::new(false),
             }),
         }
     }
@@ -57,6 +63,8 @@ static WORKERS: PgAtomic<Workers> = unsafe { PgAtomic::new(c"outbox_ext workers"
 static SHARED: AtomicBool = AtomicBool::new(false);
 /// This transaction emitted: wake the worker if it commits.
 static EMITTED: AtomicBool = AtomicBool::new(false);
+/// This transaction changed outbox.sinks: have the worker reread them if it commits.
+static SINKS_CHANGED: AtomicBool = AtomicBool::new(false);
 
 pub fn init() {
     // SAFETY: a PostgreSQL global, read in _PG_init on the process's only thread.
@@ -82,26 +90,61 @@ unsafe extern "C-unwind" fn at_transaction_end(
     _arg: *mut std::ffi::c_void,
 ) {
     match event {
-        pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT
-            if EMITTED.swap(false, Ordering::Relaxed) =>
-        {
-            wake_worker(unsafe { pg_sys::MyDatabaseId }.to_u32());
+        pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
+            let emitted = EMITTED.swap(false, Ordering::Relaxed);
+            let sinks_changed = SINKS_CHANGED.swap(false, Ordering::Relaxed);
+            if emitted || sinks_changed {
+                wake_worker(unsafe { pg_sys::MyDatabaseId }.to_u32(), sinks_changed);
+            }
         }
         pg_sys::XactEvent::XACT_EVENT_ABORT
         | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT
-        | pg_sys::XactEvent::XACT_EVENT_PREPARE => EMITTED.store(false, Ordering::Relaxed),
+        | pg_sys::XactEvent::XACT_EVENT_PREPARE => {
+            EMITTED.store(false, Ordering::Relaxed);
+            SINKS_CHANGED.store(false, Ordering::Relaxed);
+        }
         _ => {}
     }
 }
 
-/// Sets the latch of the worker serving `database`, if there is one.
-fn wake_worker(database: u32) {
+v1!(pg_finfo_outbox_reload_sinks_at_commit);
+
+/// outbox_internal._reload_sinks_at_commit(), called by the trigger on outbox.sinks: when this
+/// transaction commits, the database's worker rereads the sinks at once.
+// SAFETY: called by fmgr as a LANGUAGE c function of no arguments (sql/sinks.sql); it reads
+// nothing of fcinfo.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn outbox_reload_sinks_at_commit(
+    _fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    SINKS_CHANGED.store(true, Ordering::Relaxed);
+    pg_sys::Datum::from(0)
+}
+
+/// Called by a worker: true once after each commit that changed its database's sinks.
+pub fn take_sinks_changed() -> bool {
+    // SAFETY: a PostgreSQL global, set once the worker connected (and read on its thread).
+    let database = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    SHARED.load(Ordering::Relaxed)
+        && WORKERS.get().slots.iter().any(|slot| {
+            slot.database.load(Ordering::Acquire) == database
+                && slot.sinks_changed.swap(false, Ordering::AcqRel)
+        })
+}
+
+/// Sets the latch of the worker serving `database`, if there is one; `sinks_changed`: it is to
+/// reread the sinks too.
+fn wake_worker(database: u32, sinks_changed: bool) {
     if !SHARED.load(Ordering::Relaxed) {
         return;
     }
     for slot in &WORKERS.get().slots {
         if slot.database.load(Ordering::Acquire) != database {
             continue;
+        }
+        if sinks_changed {
+            slot.sinks_changed.store(true, Ordering::Release);
         }
         let proc = slot.proc.load(Ordering::Acquire) as *mut pg_sys::PGPROC;
         if !proc.is_null() {

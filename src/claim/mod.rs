@@ -8,17 +8,6 @@
 
 use pgrx::pg_sys;
 
-/// The version-1 call convention record PostgreSQL looks up for each C function.
-macro_rules! v1 {
-    ($($finfo:ident),*) => {$(
-        #[unsafe(no_mangle)]
-        pub extern "C" fn $finfo() -> &'static pg_sys::Pg_finfo_record {
-            const V1: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
-            &V1
-        }
-    )*};
-}
-
 mod pruned;
 mod result;
 mod statements;

@@ -206,9 +206,21 @@ impl Delivery {
                 sink.client = client;
                 sink.stamp = row.stamp;
                 sink.claim_retry_at = None;
+                if sink.health.state != State::Healthy {
+                    // its batches out are probes of the old settings, which may hang until
+                    // their request timeout holding their shards: given back now, the new
+                    // settings are tried on them at once (a late delivery by the old client
+                    // is a duplicate, after the new client's copy or before it)
+                    for (shard, epoch) in self.pool.abandon(&name) {
+                        if let Err(e) = queries::release(&name, shard, epoch) {
+                            warning!("outbox_ext: sink \"{name}\": giving back a probe: {e}");
+                        }
+                    }
+                }
                 sink.health.reset(); // a fixed credential or URL is tried at once
                 if sink.health.take_changed() {
                     health_changed(&name, sink, self.metrics.as_ref());
+                    self.next_flush = Instant::now(); // outbox.status shows it at once
                 }
             }
             None => {

@@ -210,7 +210,7 @@ pub extern "C-unwind" fn outbox_ext_worker_main(_arg: pg_sys::Datum) {
     let mut ready = false;
     let mut said: Option<Extension> = None; // what it last said while waiting
     while delivery.wait(next_maintain) {
-        if reload_on_sighup() {
+        if reload_on_sighup() || wake::take_sinks_changed() {
             delivery.reload_soon();
         }
         if !ready {

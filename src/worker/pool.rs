@@ -7,7 +7,7 @@
 //! `concurrency`): a sink that hangs holds only its own threads, never another sink's.
 
 use crate::sinks::{Client, Event, Outcome, Verdict};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -42,6 +42,8 @@ struct Job {
 
 pub struct Pool {
     sinks: HashMap<String, SinkThreads>,
+    /// Batches given up on while out (sink, shard, epoch): their outcome is dropped.
+    abandoned: HashSet<(String, i32, i64)>,
     done_tx: Sender<Done>,
     done: Receiver<Done>,
     wake_tx: Arc<UnixStream>,
@@ -54,6 +56,8 @@ struct SinkThreads {
     queue: Arc<Mutex<Receiver<Job>>>,
     threads: usize,
     in_flight: usize,
+    /// The batches out (shard, epoch), abandoned ones aside.
+    out: HashSet<(i32, i64)>,
 }
 
 impl Pool {
@@ -64,6 +68,7 @@ impl Pool {
         let (done_tx, done) = channel();
         Ok(Pool {
             sinks: HashMap::new(),
+            abandoned: HashSet::new(),
             done_tx,
             done,
             wake_tx: Arc::new(wake_tx),
@@ -94,9 +99,11 @@ impl Pool {
                 queue: Arc::new(Mutex::new(queue)),
                 threads: 0,
                 in_flight: 0,
+                out: HashSet::new(),
             }
         });
         sink.in_flight += 1;
+        sink.out.insert((batch.shard, batch.epoch));
         if sink.threads < sink.in_flight && spawn(&sink.queue, &self.done_tx, &self.wake_tx) {
             sink.threads += 1;
         }
@@ -116,14 +123,36 @@ impl Pool {
         }
     }
 
-    /// The batches finished since the last call.
+    /// Gives up on a sink's batches out: their outcome, whenever it comes, is dropped, and they
+    /// no longer count against its concurrency (the threads they hold are not counted either,
+    /// so that new batches get threads of their own). Returns them, (shard, epoch), for their
+    /// leases to be given back.
+    pub fn abandon(&mut self, sink: &str) -> Vec<(i32, i64)> {
+        let Some(threads) = self.sinks.get_mut(sink) else {
+            return Vec::new();
+        };
+        let out: Vec<(i32, i64)> = threads.out.drain().collect();
+        threads.in_flight = threads.in_flight.saturating_sub(out.len());
+        threads.threads = threads.threads.saturating_sub(out.len());
+        for &(shard, epoch) in &out {
+            self.abandoned.insert((sink.to_owned(), shard, epoch));
+        }
+        out
+    }
+
+    /// The batches finished since the last call (abandoned ones left out).
     pub fn take_done(&mut self) -> Vec<Done> {
         let mut buf = [0u8; 256];
         while matches!((&self.wake_rx).read(&mut buf), Ok(n) if n > 0) {}
-        let done: Vec<Done> = self.done.try_iter().collect();
+        let mut done: Vec<Done> = self.done.try_iter().collect();
+        done.retain(|d| {
+            let key = (d.batch.sink.clone(), d.batch.shard, d.batch.epoch);
+            !self.abandoned.remove(&key)
+        });
         for d in &done {
             if let Some(sink) = self.sinks.get_mut(&d.batch.sink) {
                 sink.in_flight = sink.in_flight.saturating_sub(1);
+                sink.out.remove(&(d.batch.shard, d.batch.epoch));
             }
         }
         done

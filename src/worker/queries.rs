@@ -291,21 +291,33 @@ pub struct Settled {
     pub error: Option<String>,
 }
 
+/// Gives a batch back unattempted (outbox.release): its shard may be claimed again at once.
+pub fn release(sink: &str, shard: i32, epoch: i64) -> Result<(), String> {
+    in_transaction(|| Spi::connect_mut(|client| give_back(client, sink, shard, epoch)))?
+        .map_err(|e| e.to_string())
+}
+
+fn give_back(
+    client: &mut pgrx::spi::SpiClient,
+    sink: &str,
+    shard: i32,
+    epoch: i64,
+) -> Result<(), pgrx::spi::Error> {
+    client.update(
+        "SELECT outbox.release($1, $2, $3)",
+        None,
+        &[sink.into(), shard.into(), epoch.into()],
+    )?;
+    Ok(())
+}
+
 /// Applies a finished batch's judgement in one transaction: given back unattempted
 /// (outbox.release), or settled (outbox.settle).
 pub fn settle(batch: &Batch, judgement: &Judgement) -> Result<Settled, String> {
     in_transaction(|| {
         Spi::connect_mut(|client| match judgement {
             Judgement::GiveBack { error } => {
-                client.update(
-                    "SELECT outbox.release($1, $2, $3)",
-                    None,
-                    &[
-                        batch.sink.as_str().into(),
-                        batch.shard.into(),
-                        batch.epoch.into(),
-                    ],
-                )?;
+                give_back(client, &batch.sink, batch.shard, batch.epoch)?;
                 Ok(Settled {
                     delivered: 0,
                     failed: 0,
