@@ -299,7 +299,8 @@ AS $$
 DECLARE
     fresh     boolean;
     page      outbox.events[];
-    mine      outbox.events[];
+    queued    outbox.events[];  -- the page's events of parked keys
+    mine      outbox.events[];  -- and the others
     heads     outbox.claimed[];
     exhausted boolean;
     since     timestamptz;
@@ -314,13 +315,15 @@ BEGIN
         until := outbox_internal._reach();  -- after the window's snapshot: see _reach
         page := ARRAY(SELECT w FROM outbox_internal._window_events(cur, NULL, batch_size, since, until) AS w);
         exhausted := cardinality(page) < batch_size;
-        PERFORM outbox_internal._queue_parked(c.id, ARRAY(
-            SELECT e FROM unnest(page) e
-             WHERE EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = c.id AND p.aggregate_id = e.aggregate_id)));
-        mine := ARRAY(SELECT e FROM unnest(page) e
-                       WHERE NOT EXISTS (SELECT FROM outbox._parked p
-                                          WHERE p.consumer_id = c.id AND p.aggregate_id = e.aggregate_id)
-                       ORDER BY e.seq);  -- in seq order: an anti-join need not keep the page's
+        -- each event's key looked up once, through _parked's key (a join planned from
+        -- statistics taken while nothing was parked compared every event with every parked key)
+        SELECT coalesce(array_agg(k.e ORDER BY (k.e).seq) FILTER (WHERE k.parked), '{}'),
+               coalesce(array_agg(k.e ORDER BY (k.e).seq) FILTER (WHERE NOT k.parked), '{}')
+          INTO queued, mine
+          FROM (SELECT e, EXISTS (SELECT FROM outbox._parked p
+                                   WHERE p.consumer_id = c.id AND p.aggregate_id = e.aggregate_id) AS parked
+                  FROM unnest(page) e) k;
+        PERFORM outbox_internal._queue_parked(c.id, queued);
         EXIT WHEN cardinality(mine) > 0;
         IF cardinality(page) > 0 THEN
             -- only parked keys' events here: record that the shard moved past them, go on

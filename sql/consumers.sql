@@ -185,7 +185,8 @@ BEGIN
     -- row: the drop waits for a claim or a settle under way, then deletes what no one holds.
     PERFORM FROM outbox._shards s WHERE s.consumer_id = c_id ORDER BY s.shard FOR UPDATE;
     DELETE FROM outbox._cursor_log l WHERE l.consumer_id = c_id;
-    DELETE FROM outbox._parked p WHERE p.consumer_id = c_id;  -- and their queues (a cascade)
+    DELETE FROM outbox._parked_events q WHERE q.consumer_id = c_id;
+    DELETE FROM outbox._parked p WHERE p.consumer_id = c_id;
     DELETE FROM outbox.dead_letters d WHERE d.consumer = drop_consumer.name;
     DELETE FROM outbox.consumers c WHERE c.id = c_id;         -- and its shards (a cascade)
     RETURN FOUND;

@@ -9,8 +9,12 @@
 -- before it leave the queue when the batch settles, _deliver_rest). A failing head is still
 -- retried alone. And settle records a batch's failures set-based (_fail_keys, _keys_failed: the
 -- same few statements for one failure or hundreds) instead of several statements per failed
--- key; nack and reject take the same path. The failure type moves to sql/parking.sql
--- (unchanged).
+-- key; nack and reject take the same path. The statements on parked keys look keys and heads
+-- up one by one through their indexes: joins planned from statistics taken while nothing was
+-- parked compared every event with every parked key. _parked_events loses its foreign key to
+-- _parked (its check cost each queued event more than queueing it): whatever deletes a parked
+-- key deletes its queue (drop_consumer, _unpark_released). The failure type moves to
+-- sql/parking.sql (unchanged).
 -- A change of outbox.sinks has the worker reread the sinks when it commits
 -- (_reload_sinks_at_commit, called by the sinks trigger) instead of up to a second later; and
 -- when a suspended sink's row changes, the worker gives back the probes still out with the old
@@ -21,6 +25,7 @@
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.23.0'" to load this file. \quit
 
 ALTER TABLE outbox._parked ADD COLUMN IF NOT EXISTS nacked_seq bigint;
+ALTER TABLE outbox._parked_events DROP CONSTRAINT IF EXISTS _parked_events_consumer_id_aggregate_id_fkey;
 
 DROP FUNCTION IF EXISTS outbox_internal._head_failed(outbox.consumers, text, text, interval, bigint, boolean);
 DROP FUNCTION IF EXISTS outbox_internal._head_waits(outbox.consumers, text, text, interval, bigint);
@@ -78,7 +83,61 @@ BEGIN
      USING unnest(failures) f
      WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id AND f.event_id = ANY (dead_ids)
        AND NOT EXISTS (SELECT FROM outbox._parked_events q
-                        WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
+                        WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
+                       OFFSET 0);  -- looked up per key: an anti-join planned while nothing was
+                                   -- parked would read every queued event per key
+END
+$$;
+
+-- A batch given back (release) after nack parked keys of it: a key that this batch parked
+-- (its queue holds only events of this batch's page, none of them a parked head it handed out)
+-- is unparked, its queue dropped, as if the batch had never been claimed. The shard reads the
+-- page again, so the key's events come back in order: kept, the earlier ones would be queued
+-- behind the failed one. A key parked before (its head handed out and nacked) keeps its queue
+-- and the attempt counted.
+CREATE OR REPLACE FUNCTION outbox_internal._unpark_released(c outbox.consumers, cur outbox._cursor_log) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    WITH unparked AS (
+        DELETE FROM outbox._parked p
+         WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch
+           AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                            WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
+                              AND (q.id = ANY (cur.heads) OR q.seq <= coalesce(cur.after_seq, 0)
+                                   OR q.seq > coalesce(cur.batch_end, 0)))
+        RETURNING p.aggregate_id)
+    DELETE FROM outbox._parked_events q
+     USING unparked u
+     WHERE q.consumer_id = c.id AND q.aggregate_id = u.aggregate_id;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox.drop_consumer(name text) RETURNS boolean
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    c_id int := (SELECT c.id FROM outbox.consumers c WHERE c.name = drop_consumer.name);
+BEGIN
+    PERFORM outbox_internal._not_null(name IS NULL, 'name', 'outbox.drop_consumer');
+    -- The deletes below must see the rows relays commit while the drop waits for their shards:
+    -- with a snapshot taken before, those would be left behind.
+    IF pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable') THEN
+        RAISE EXCEPTION 'outbox.drop_consumer must run at READ COMMITTED, not %',
+                pg_catalog.upper(pg_catalog.current_setting('transaction_isolation'))
+            USING ERRCODE = 'invalid_transaction_state',
+                  HINT = 'Call it in a READ COMMITTED transaction (the default isolation level).';
+    END IF;
+    -- Its shards first, in order, as claims and settles take them before they write a cursor
+    -- row: the drop waits for a claim or a settle under way, then deletes what no one holds.
+    PERFORM FROM outbox._shards s WHERE s.consumer_id = c_id ORDER BY s.shard FOR UPDATE;
+    DELETE FROM outbox._cursor_log l WHERE l.consumer_id = c_id;
+    DELETE FROM outbox._parked_events q WHERE q.consumer_id = c_id;
+    DELETE FROM outbox._parked p WHERE p.consumer_id = c_id;
+    DELETE FROM outbox.dead_letters d WHERE d.consumer = drop_consumer.name;
+    DELETE FROM outbox.consumers c WHERE c.id = c_id;         -- and its shards (a cascade)
+    RETURN FOUND;
 END
 $$;
 
@@ -105,6 +164,74 @@ BEGIN
                               WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
                               ORDER BY q.pos LIMIT CASE WHEN p.attempts > 0 THEN 1 ELSE share END) AS q
          ORDER BY p.ordinality, q.pos);
+END
+$$;
+
+-- _claim for a shard with parked keys: the page's events of parked keys join their queues
+-- instead of going out (the shard moves past pages that hold only those), and the batch also
+-- holds the due heads (_due_heads: at most batch_size more). Nothing (and no claim row) when
+-- neither is left.
+CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
+                                                batch_size int, lease interval, owner text,
+                                                seq_mark bigint, x xid8)
+RETURNS SETOF outbox.claimed
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    fresh     boolean;
+    page      outbox.events[];
+    queued    outbox.events[];  -- the page's events of parked keys
+    mine      outbox.events[];  -- and the others
+    heads     outbox.claimed[];
+    exhausted boolean;
+    since     timestamptz;
+    until     timestamptz;
+BEGIN
+    LOOP
+        fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
+        IF cur.hi_snap IS NULL THEN
+            cur := outbox_internal._open_window(cur, seq_mark, x);
+        END IF;
+        since := outbox_internal._window_since(cur, outbox_internal._newest_seal());
+        until := outbox_internal._reach();  -- after the window's snapshot: see _reach
+        page := ARRAY(SELECT w FROM outbox_internal._window_events(cur, NULL, batch_size, since, until) AS w);
+        exhausted := cardinality(page) < batch_size;
+        -- each event's key looked up once, through _parked's key (a join planned from
+        -- statistics taken while nothing was parked compared every event with every parked key)
+        SELECT coalesce(array_agg(k.e ORDER BY (k.e).seq) FILTER (WHERE k.parked), '{}'),
+               coalesce(array_agg(k.e ORDER BY (k.e).seq) FILTER (WHERE NOT k.parked), '{}')
+          INTO queued, mine
+          FROM (SELECT e, EXISTS (SELECT FROM outbox._parked p
+                                   WHERE p.consumer_id = c.id AND p.aggregate_id = e.aggregate_id) AS parked
+                  FROM unnest(page) e) k;
+        PERFORM outbox_internal._queue_parked(c.id, queued);
+        EXIT WHEN cardinality(mine) > 0;
+        IF cardinality(page) > 0 THEN
+            -- only parked keys' events here: record that the shard moved past them, go on
+            cur := outbox_internal._advance(cur, page[cardinality(page)].seq, exhausted);
+            PERFORM outbox_internal._append(cur);
+        ELSIF fresh THEN
+            EXIT;  -- nothing new since the last window
+        ELSE
+            cur := outbox_internal._next_window(cur);
+        END IF;
+    END LOOP;
+    heads := outbox_internal._due_heads(c, cur.shard, batch_size);
+    IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
+        RETURN;
+    END IF;
+    cur := outbox_internal._claimed(cur, owner, lease,
+                           CASE WHEN cardinality(page) > 0 THEN page[cardinality(page)].seq ELSE cur.after_seq END,
+                           exhausted, ARRAY(SELECT h.id FROM unnest(heads) h));
+    PERFORM outbox_internal._append(cur);
+    RETURN QUERY
+    SELECT cur.shard, cur.epoch, m.id, m.topic, m.aggregate_type, m.aggregate_id, m.event_type,
+           m.payload, m.headers, m.created_at, m.seq, 1
+      FROM unnest(mine) AS m ORDER BY m.seq;
+    RETURN QUERY
+    SELECT h.shard, cur.epoch, h.id, h.topic, h.aggregate_type, h.aggregate_id, h.event_type,
+           h.payload, h.headers, h.created_at, h.seq, h.attempt
+      FROM unnest(heads) AS h;
 END
 $$;
 
@@ -154,10 +281,14 @@ BEGIN
                   HINT = 'Report a key''s failures in batch order, or all at once with outbox.settle.';
     END IF;
     kept := (SELECT count(*) FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
-              WHERE NOT f.head AND b.seq >= f.seq)
-          + (SELECT count(*) FROM unnest(fresh) f JOIN outbox._parked_events q
-                ON q.consumer_id = c.id AND q.aggregate_id = f.aggregate_id
-              WHERE f.head AND q.id = ANY (cur.heads) AND q.seq >= f.seq);
+              WHERE NOT f.head AND b.seq >= f.seq);
+    IF EXISTS (SELECT FROM unnest(fresh) f WHERE f.head) THEN
+        -- the heads from each failed one on, each head looked up by its id (see _deliver_rest)
+        kept := kept + (SELECT count(*) FROM unnest(cur.heads) AS out(id)
+                         WHERE EXISTS (SELECT FROM outbox._parked_events h JOIN unnest(fresh) f
+                                           ON f.head AND f.aggregate_id = h.aggregate_id AND h.seq >= f.seq
+                                        WHERE h.consumer_id = c.id AND h.id = out.id OFFSET 0));
+    END IF;
     -- window events park their keys; a key parked meanwhile (a replay) keeps its record: its
     -- events wait behind its queue, nothing counted
     WITH made AS (
@@ -234,24 +365,32 @@ $$;
 
 -- The rest of a settled batch is delivered: parked keys' heads handed out and not failed in
 -- this batch (those before the key's failure, if it failed) leave their queues, and the shard
--- moves past the batch.
+-- moves past the batch. Each head is looked up by its id, one by one, and the failed keys by
+-- the shard's: a join planned from statistics taken while nothing was parked read every queued
+-- event per head.
 CREATE OR REPLACE FUNCTION outbox_internal._deliver_rest(c outbox.consumers, cur outbox._cursor_log) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    through text[];  -- keys whose heads all went through: their next heads are due at once
-    touched text[];  -- keys that lost heads: unparked if their queues are now empty
+    failed    text[];    -- keys failed in this batch
+    failed_at bigint[];  -- and the seq each failed at
+    through   text[];    -- keys whose heads all went through: their next heads are due at once
+    touched   text[];    -- keys that lost heads: unparked if their queues are now empty
 BEGIN
     IF cardinality(cur.heads) > 0 THEN
-        -- set-based (a batch may hold hundreds of heads)
+        SELECT array_agg(p.aggregate_id), array_agg(p.nacked_seq) INTO failed, failed_at
+          FROM outbox._parked p
+         WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch;
         WITH delivered AS (
             DELETE FROM outbox._parked_events q
-             USING outbox._parked p
-             WHERE q.consumer_id = c.id AND q.id = ANY (cur.heads)
-               AND p.consumer_id = q.consumer_id AND p.aggregate_id = q.aggregate_id
-               AND (p.nacked_epoch IS DISTINCT FROM cur.epoch OR q.seq < p.nacked_seq)
-            RETURNING q.aggregate_id, p.nacked_epoch IS NOT DISTINCT FROM cur.epoch AS failed)
-        SELECT array_agg(DISTINCT d.aggregate_id) FILTER (WHERE NOT d.failed), array_agg(DISTINCT d.aggregate_id)
+             WHERE q.ctid = ANY (ARRAY(SELECT (SELECT h.ctid FROM outbox._parked_events h
+                                                WHERE h.consumer_id = c.id AND h.id = out.id)
+                                         FROM unnest(cur.heads) AS out(id)))
+               AND NOT EXISTS (SELECT FROM unnest(failed, failed_at) f(key, seq)
+                                WHERE f.key = q.aggregate_id AND q.seq >= f.seq)
+            RETURNING q.aggregate_id)
+        SELECT array_agg(DISTINCT d.aggregate_id) FILTER (WHERE d.aggregate_id <> ALL (coalesce(failed, '{}'))),
+               array_agg(DISTINCT d.aggregate_id)
           INTO through, touched
           FROM delivered d;
         UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
@@ -259,7 +398,8 @@ BEGIN
         DELETE FROM outbox._parked p
          WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (touched)
            AND NOT EXISTS (SELECT FROM outbox._parked_events q
-                            WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
+                            WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
+                           OFFSET 0);  -- looked up per key, not joined (see above)
     END IF;
     PERFORM outbox_internal._append(outbox_internal._advance(cur, cur.batch_end, cur.exhausted));
 END

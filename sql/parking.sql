@@ -50,8 +50,9 @@ CREATE TABLE IF NOT EXISTS outbox._parked_events (
     created_at     timestamptz NOT NULL,
     seq            bigint      NOT NULL,
     PRIMARY KEY (consumer_id, aggregate_id, pos),
-    UNIQUE (consumer_id, id),
-    FOREIGN KEY (consumer_id, aggregate_id) REFERENCES outbox._parked ON DELETE CASCADE
+    UNIQUE (consumer_id, id)
+    -- no foreign key to _parked: whatever deletes a parked key deletes its queue, or finds it
+    -- empty (a foreign key's check cost each queued event more than queueing it did)
 );
 
 CREATE TABLE IF NOT EXISTS outbox.dead_letters (
@@ -152,7 +153,9 @@ BEGIN
      USING unnest(failures) f
      WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id AND f.event_id = ANY (dead_ids)
        AND NOT EXISTS (SELECT FROM outbox._parked_events q
-                        WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
+                        WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
+                       OFFSET 0);  -- looked up per key: an anti-join planned while nothing was
+                                   -- parked would read every queued event per key
 END
 $$;
 
@@ -182,11 +185,16 @@ CREATE OR REPLACE FUNCTION outbox_internal._unpark_released(c outbox.consumers, 
     LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
-    DELETE FROM outbox._parked p
-     WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch
-       AND NOT EXISTS (SELECT FROM outbox._parked_events q
-                        WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
-                          AND (q.id = ANY (cur.heads) OR q.seq <= coalesce(cur.after_seq, 0)
-                               OR q.seq > coalesce(cur.batch_end, 0)));
+    WITH unparked AS (
+        DELETE FROM outbox._parked p
+         WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch
+           AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                            WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
+                              AND (q.id = ANY (cur.heads) OR q.seq <= coalesce(cur.after_seq, 0)
+                                   OR q.seq > coalesce(cur.batch_end, 0)))
+        RETURNING p.aggregate_id)
+    DELETE FROM outbox._parked_events q
+     USING unparked u
+     WHERE q.consumer_id = c.id AND q.aggregate_id = u.aggregate_id;
 END
 $$;

@@ -161,10 +161,14 @@ BEGIN
                   HINT = 'Report a key''s failures in batch order, or all at once with outbox.settle.';
     END IF;
     kept := (SELECT count(*) FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
-              WHERE NOT f.head AND b.seq >= f.seq)
-          + (SELECT count(*) FROM unnest(fresh) f JOIN outbox._parked_events q
-                ON q.consumer_id = c.id AND q.aggregate_id = f.aggregate_id
-              WHERE f.head AND q.id = ANY (cur.heads) AND q.seq >= f.seq);
+              WHERE NOT f.head AND b.seq >= f.seq);
+    IF EXISTS (SELECT FROM unnest(fresh) f WHERE f.head) THEN
+        -- the heads from each failed one on, each head looked up by its id (see _deliver_rest)
+        kept := kept + (SELECT count(*) FROM unnest(cur.heads) AS out(id)
+                         WHERE EXISTS (SELECT FROM outbox._parked_events h JOIN unnest(fresh) f
+                                           ON f.head AND f.aggregate_id = h.aggregate_id AND h.seq >= f.seq
+                                        WHERE h.consumer_id = c.id AND h.id = out.id OFFSET 0));
+    END IF;
     -- window events park their keys; a key parked meanwhile (a replay) keeps its record: its
     -- events wait behind its queue, nothing counted
     WITH made AS (
@@ -241,24 +245,32 @@ $$;
 
 -- The rest of a settled batch is delivered: parked keys' heads handed out and not failed in
 -- this batch (those before the key's failure, if it failed) leave their queues, and the shard
--- moves past the batch.
+-- moves past the batch. Each head is looked up by its id, one by one, and the failed keys by
+-- the shard's: a join planned from statistics taken while nothing was parked read every queued
+-- event per head.
 CREATE OR REPLACE FUNCTION outbox_internal._deliver_rest(c outbox.consumers, cur outbox._cursor_log) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    through text[];  -- keys whose heads all went through: their next heads are due at once
-    touched text[];  -- keys that lost heads: unparked if their queues are now empty
+    failed    text[];    -- keys failed in this batch
+    failed_at bigint[];  -- and the seq each failed at
+    through   text[];    -- keys whose heads all went through: their next heads are due at once
+    touched   text[];    -- keys that lost heads: unparked if their queues are now empty
 BEGIN
     IF cardinality(cur.heads) > 0 THEN
-        -- set-based (a batch may hold hundreds of heads)
+        SELECT array_agg(p.aggregate_id), array_agg(p.nacked_seq) INTO failed, failed_at
+          FROM outbox._parked p
+         WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch;
         WITH delivered AS (
             DELETE FROM outbox._parked_events q
-             USING outbox._parked p
-             WHERE q.consumer_id = c.id AND q.id = ANY (cur.heads)
-               AND p.consumer_id = q.consumer_id AND p.aggregate_id = q.aggregate_id
-               AND (p.nacked_epoch IS DISTINCT FROM cur.epoch OR q.seq < p.nacked_seq)
-            RETURNING q.aggregate_id, p.nacked_epoch IS NOT DISTINCT FROM cur.epoch AS failed)
-        SELECT array_agg(DISTINCT d.aggregate_id) FILTER (WHERE NOT d.failed), array_agg(DISTINCT d.aggregate_id)
+             WHERE q.ctid = ANY (ARRAY(SELECT (SELECT h.ctid FROM outbox._parked_events h
+                                                WHERE h.consumer_id = c.id AND h.id = out.id)
+                                         FROM unnest(cur.heads) AS out(id)))
+               AND NOT EXISTS (SELECT FROM unnest(failed, failed_at) f(key, seq)
+                                WHERE f.key = q.aggregate_id AND q.seq >= f.seq)
+            RETURNING q.aggregate_id)
+        SELECT array_agg(DISTINCT d.aggregate_id) FILTER (WHERE d.aggregate_id <> ALL (coalesce(failed, '{}'))),
+               array_agg(DISTINCT d.aggregate_id)
           INTO through, touched
           FROM delivered d;
         UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
@@ -266,7 +278,8 @@ BEGIN
         DELETE FROM outbox._parked p
          WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (touched)
            AND NOT EXISTS (SELECT FROM outbox._parked_events q
-                            WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id);
+                            WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
+                           OFFSET 0);  -- looked up per key, not joined (see above)
     END IF;
     PERFORM outbox_internal._append(outbox_internal._advance(cur, cur.batch_end, cur.exhausted));
 END
