@@ -266,8 +266,8 @@ BEGIN
              WHERE q.ctid = ANY (ARRAY(SELECT (SELECT h.ctid FROM outbox._parked_events h
                                                 WHERE h.consumer_id = c.id AND h.id = out.id)
                                          FROM unnest(cur.heads) AS out(id)))
-               AND NOT EXISTS (SELECT FROM unnest(failed, failed_at) f(key, seq)
-                                WHERE f.key = q.aggregate_id AND q.seq >= f.seq)
+               AND NOT EXISTS (SELECT FROM unnest(failed, failed_at) f(key, seq)  -- seq unknown:
+                                WHERE f.key = q.aggregate_id AND q.seq >= coalesce(f.seq, 0))  -- nacked before 0.23.0
             RETURNING q.aggregate_id)
         SELECT array_agg(DISTINCT d.aggregate_id) FILTER (WHERE d.aggregate_id <> ALL (coalesce(failed, '{}'))),
                array_agg(DISTINCT d.aggregate_id)

@@ -55,6 +55,29 @@ def test_update_keeps_pending_events_and_parked_keys_in_order(cluster, new_datab
         assert db.execute("SELECT sink_kind FROM outbox.status WHERE consumer = 'hook'").fetchone()[0] == "webhook"
 
 
+def test_a_head_nacked_before_the_update_stays_queued_when_its_batch_is_acked_after(cluster, new_database):
+    """0.23.0 records which event of a parked key failed (nacked_seq) to let the heads before it
+    go; a head nacked under 0.22.0, whose batch is acked after the UPDATE, has none recorded:
+    it must stay queued, not count as delivered."""
+    with cluster.connect(new_database()) as db:
+        db.execute("CREATE EXTENSION outbox_ext VERSION '0.22.0'")
+        db.execute("SELECT outbox.create_consumer('sink', backoff_base => '1 ms', backoff_max => '1 ms')")
+        relay = Relay(db, "sink")
+        db.execute("SELECT outbox.emit('order', 'k', 'e', jsonb_build_object('i', i)) FROM generate_series(0, 2) i")
+        batch = relay.claim()
+        relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(batch[0], "down")])
+        time.sleep(0.01)
+        heads = relay.claim()
+        assert [e.payload["i"] for e in heads] == [0]
+        relay.nack(heads[0], "still down")
+        db.execute("ALTER EXTENSION outbox_ext UPDATE")
+        relay.ack(heads[0].shard, heads[0].epoch)
+        assert db.execute("SELECT array_agg((payload->>'i')::int ORDER BY pos) FROM outbox._parked_events"
+                          ).fetchone()[0] == [0, 1, 2]
+        time.sleep(0.01)
+        assert [e.payload["i"] for e in relay.drain()] == [0, 1, 2]
+
+
 def test_update_while_relays_claim_and_settle_loses_nothing(cluster, new_database):
     """The newest delta alters tables while two relays claim and settle (the old SQL on the new
     library, as between the restart and the UPDATE). Whoever a deadlock picks (README: the
