@@ -5,7 +5,7 @@
 -- recovered from one transient failure (2,016 claims for a 4,000-event backlog that takes
 -- about ten). A parked key whose head went through now catches up: a claim hands out its queue
 -- in order, an equal share of the batch per key catching up (_due_heads), and a failure inside
--- that share counts against the event that failed (_parked.nacked_seq records it; the heads
+-- that share counts against the event that failed (_parked.nacked_pos records it; the heads
 -- before it leave the queue when the batch settles, _deliver_rest). A failing head is still
 -- retried alone. And settle records a batch's failures set-based (_fail_keys, _keys_failed: the
 -- same few statements for one failure or hundreds) instead of several statements per failed
@@ -24,7 +24,7 @@
 -- A delta: what changed from 0.22.0 to 0.23.0, rerunnable.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.23.0'" to load this file. \quit
 
-ALTER TABLE outbox._parked ADD COLUMN IF NOT EXISTS nacked_seq bigint;
+ALTER TABLE outbox._parked ADD COLUMN IF NOT EXISTS nacked_pos bigint;
 ALTER TABLE outbox._parked_events DROP CONSTRAINT IF EXISTS _parked_events_consumer_id_aggregate_id_fkey;
 
 DROP FUNCTION IF EXISTS outbox_internal._head_failed(outbox.consumers, text, text, interval, bigint, boolean);
@@ -34,7 +34,8 @@ DROP FUNCTION IF EXISTS outbox_internal._fail_key(outbox.consumers, outbox._curs
 
 -- Parked keys failed, each at one event (failures: each key's first failed event of a batch,
 -- epoch, resolved by settle): its head, or an event of its queue handed out behind heads that
--- went through (those leave the queue when the batch settles: _deliver_rest reads nacked_seq).
+-- went through (those leave the queue when the batch settles: _deliver_rest reads nacked_pos),
+-- or an event of the window, which parked it.
 -- Each failure is counted and its retry scheduled; past max_attempts (or at once when the
 -- failure is final) the event moves to dead_letters and its key moves on. A failure not
 -- attempted (the sink throttled, lacked its topic, ran out of time) counts nothing and kills
@@ -52,7 +53,7 @@ BEGIN
     WITH counted AS (
         UPDATE outbox._parked p
            SET attempts = p.attempts + CASE WHEN f.attempted IS FALSE THEN 0 ELSE 1 END,
-               last_error = f.error, nacked_epoch = epoch, nacked_seq = f.seq,
+               last_error = f.error, nacked_epoch = epoch, nacked_pos = CASE WHEN f.head THEN f.seq END,
                next_attempt_at = now() + coalesce(f.retry_after, outbox_internal._backoff(c,
                    CASE WHEN f.attempted IS FALSE THEN greatest(p.attempts, 1) ELSE p.attempts + 1 END))
           FROM unnest(failures) f
@@ -235,10 +236,38 @@ BEGIN
 END
 $$;
 
+-- Find a failed event in its batch (batch: the window's events the claim handed out), with its
+-- place in its key's order (seq; a head's, pos). NULL for a head that is settled already (a
+-- reject of this batch dead-lettered it).
+CREATE OR REPLACE FUNCTION outbox_internal._resolve(c outbox.consumers, cur outbox._cursor_log,
+                                           batch outbox.events[], f outbox_internal._failure)
+RETURNS outbox_internal._failure
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    f.head := coalesce(f.event_id = ANY (cur.heads), false);
+    IF f.head THEN
+        -- a head's place in its key's order is its place in the queue (pos): a replayed event
+        -- is queued behind events with higher seqs
+        SELECT q.aggregate_id, q.pos INTO f.aggregate_id, f.seq FROM outbox._parked_events q
+         WHERE q.consumer_id = c.id AND q.id = f.event_id;
+        RETURN CASE WHEN FOUND THEN f END;
+    END IF;
+    SELECT b.aggregate_id, b.seq INTO f.aggregate_id, f.seq FROM unnest(batch) b WHERE b.id = f.event_id;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'event % is not in the batch of shard % with epoch %', f.event_id, cur.shard, cur.epoch
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Report only events that this claim returned.';
+    END IF;
+    RETURN f;
+END
+$$;
+
 -- Record a batch's failures: firsts holds each failing key's first failed event (resolved by
 -- _resolve), batch the batch's events of those keys. An event of a parked key's queue (a
 -- head) counts a failed attempt of its key; the key's heads before it went through, and leave
--- the queue when the batch settles. An event of the window parks its key: it and the key's
+-- the queue when the batch settles (heads are ordered by their place in the queue, f.seq being
+-- that place: see _resolve). An event of the window parks its key: it and the key's
 -- later events of the batch are queued, in order. Counting is _keys_failed's. Set-based: the
 -- same few statements for one failure or hundreds. Returns how many events of the batch this
 -- kept back.
@@ -259,7 +288,7 @@ BEGIN
     -- window event's key by its events of the batch already queued or dead-lettered
     WITH before AS (
         SELECT f, CASE WHEN f.head THEN
-                   (SELECT p.nacked_seq FROM outbox._parked p
+                   (SELECT p.nacked_pos FROM outbox._parked p
                      WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id
                        AND p.nacked_epoch = cur.epoch)
                ELSE (SELECT min(x.seq) FROM unnest(batch) b
@@ -286,7 +315,7 @@ BEGIN
         -- the heads from each failed one on, each head looked up by its id (see _deliver_rest)
         kept := kept + (SELECT count(*) FROM unnest(cur.heads) AS out(id)
                          WHERE EXISTS (SELECT FROM outbox._parked_events h JOIN unnest(fresh) f
-                                           ON f.head AND f.aggregate_id = h.aggregate_id AND h.seq >= f.seq
+                                           ON f.head AND f.aggregate_id = h.aggregate_id AND h.pos >= f.seq
                                         WHERE h.consumer_id = c.id AND h.id = out.id OFFSET 0));
     END IF;
     -- window events park their keys; a key parked meanwhile (a replay) keeps its record: its
@@ -373,12 +402,12 @@ CREATE OR REPLACE FUNCTION outbox_internal._deliver_rest(c outbox.consumers, cur
 AS $$
 DECLARE
     failed    text[];    -- keys failed in this batch
-    failed_at bigint[];  -- and the seq each failed at
+    failed_at bigint[];  -- and the queue position each failed at
     through   text[];    -- keys whose heads all went through: their next heads are due at once
     touched   text[];    -- keys that lost heads: unparked if their queues are now empty
 BEGIN
     IF cardinality(cur.heads) > 0 THEN
-        SELECT array_agg(p.aggregate_id), array_agg(p.nacked_seq) INTO failed, failed_at
+        SELECT array_agg(p.aggregate_id), array_agg(p.nacked_pos) INTO failed, failed_at
           FROM outbox._parked p
          WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch;
         WITH delivered AS (
@@ -386,8 +415,8 @@ BEGIN
              WHERE q.ctid = ANY (ARRAY(SELECT (SELECT h.ctid FROM outbox._parked_events h
                                                 WHERE h.consumer_id = c.id AND h.id = out.id)
                                          FROM unnest(cur.heads) AS out(id)))
-               AND NOT EXISTS (SELECT FROM unnest(failed, failed_at) f(key, seq)  -- seq unknown:
-                                WHERE f.key = q.aggregate_id AND q.seq >= coalesce(f.seq, 0))  -- nacked before 0.23.0
+               AND NOT EXISTS (SELECT FROM unnest(failed, failed_at) f(key, pos)  -- pos unknown:
+                                WHERE f.key = q.aggregate_id AND q.pos >= coalesce(f.pos, 0))  -- nacked before 0.23.0
             RETURNING q.aggregate_id)
         SELECT array_agg(DISTINCT d.aggregate_id) FILTER (WHERE d.aggregate_id <> ALL (coalesce(failed, '{}'))),
                array_agg(DISTINCT d.aggregate_id)

@@ -30,7 +30,7 @@ CREATE TABLE IF NOT EXISTS outbox._parked (
     last_error      text,
     nacked_epoch    bigint,                          -- the batch that last failed the key
     parked_at       timestamptz NOT NULL DEFAULT now(),
-    nacked_seq      bigint,                          -- the event that failed in that batch
+    nacked_pos      bigint,                          -- the queue position of the head that failed then
     PRIMARY KEY (consumer_id, aggregate_id)  -- no foreign key: see _cursor_log
 );
 
@@ -104,7 +104,8 @@ CREATE OR REPLACE FUNCTION outbox_internal._backoff(c outbox.consumers, attempts
 
 -- Parked keys failed, each at one event (failures: each key's first failed event of a batch,
 -- epoch, resolved by settle): its head, or an event of its queue handed out behind heads that
--- went through (those leave the queue when the batch settles: _deliver_rest reads nacked_seq).
+-- went through (those leave the queue when the batch settles: _deliver_rest reads nacked_pos),
+-- or an event of the window, which parked it.
 -- Each failure is counted and its retry scheduled; past max_attempts (or at once when the
 -- failure is final) the event moves to dead_letters and its key moves on. A failure not
 -- attempted (the sink throttled, lacked its topic, ran out of time) counts nothing and kills
@@ -122,7 +123,7 @@ BEGIN
     WITH counted AS (
         UPDATE outbox._parked p
            SET attempts = p.attempts + CASE WHEN f.attempted IS FALSE THEN 0 ELSE 1 END,
-               last_error = f.error, nacked_epoch = epoch, nacked_seq = f.seq,
+               last_error = f.error, nacked_epoch = epoch, nacked_pos = CASE WHEN f.head THEN f.seq END,
                next_attempt_at = now() + coalesce(f.retry_after, outbox_internal._backoff(c,
                    CASE WHEN f.attempted IS FALSE THEN greatest(p.attempts, 1) ELSE p.attempts + 1 END))
           FROM unnest(failures) f

@@ -79,8 +79,9 @@ BEGIN
 END
 $$;
 
--- Find a failed event in its batch (batch: the window's events the claim handed out). NULL for a
--- head that is settled already (a reject of this batch dead-lettered it).
+-- Find a failed event in its batch (batch: the window's events the claim handed out), with its
+-- place in its key's order (seq; a head's, pos). NULL for a head that is settled already (a
+-- reject of this batch dead-lettered it).
 CREATE OR REPLACE FUNCTION outbox_internal._resolve(c outbox.consumers, cur outbox._cursor_log,
                                            batch outbox.events[], f outbox_internal._failure)
 RETURNS outbox_internal._failure
@@ -89,7 +90,9 @@ AS $$
 BEGIN
     f.head := coalesce(f.event_id = ANY (cur.heads), false);
     IF f.head THEN
-        SELECT q.aggregate_id, q.seq INTO f.aggregate_id, f.seq FROM outbox._parked_events q
+        -- a head's place in its key's order is its place in the queue (pos): a replayed event
+        -- is queued behind events with higher seqs
+        SELECT q.aggregate_id, q.pos INTO f.aggregate_id, f.seq FROM outbox._parked_events q
          WHERE q.consumer_id = c.id AND q.id = f.event_id;
         RETURN CASE WHEN FOUND THEN f END;
     END IF;
@@ -118,7 +121,8 @@ $$;
 -- Record a batch's failures: firsts holds each failing key's first failed event (resolved by
 -- _resolve), batch the batch's events of those keys. An event of a parked key's queue (a
 -- head) counts a failed attempt of its key; the key's heads before it went through, and leave
--- the queue when the batch settles. An event of the window parks its key: it and the key's
+-- the queue when the batch settles (heads are ordered by their place in the queue, f.seq being
+-- that place: see _resolve). An event of the window parks its key: it and the key's
 -- later events of the batch are queued, in order. Counting is _keys_failed's. Set-based: the
 -- same few statements for one failure or hundreds. Returns how many events of the batch this
 -- kept back.
@@ -139,7 +143,7 @@ BEGIN
     -- window event's key by its events of the batch already queued or dead-lettered
     WITH before AS (
         SELECT f, CASE WHEN f.head THEN
-                   (SELECT p.nacked_seq FROM outbox._parked p
+                   (SELECT p.nacked_pos FROM outbox._parked p
                      WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id
                        AND p.nacked_epoch = cur.epoch)
                ELSE (SELECT min(x.seq) FROM unnest(batch) b
@@ -166,7 +170,7 @@ BEGIN
         -- the heads from each failed one on, each head looked up by its id (see _deliver_rest)
         kept := kept + (SELECT count(*) FROM unnest(cur.heads) AS out(id)
                          WHERE EXISTS (SELECT FROM outbox._parked_events h JOIN unnest(fresh) f
-                                           ON f.head AND f.aggregate_id = h.aggregate_id AND h.seq >= f.seq
+                                           ON f.head AND f.aggregate_id = h.aggregate_id AND h.pos >= f.seq
                                         WHERE h.consumer_id = c.id AND h.id = out.id OFFSET 0));
     END IF;
     -- window events park their keys; a key parked meanwhile (a replay) keeps its record: its
@@ -253,12 +257,12 @@ CREATE OR REPLACE FUNCTION outbox_internal._deliver_rest(c outbox.consumers, cur
 AS $$
 DECLARE
     failed    text[];    -- keys failed in this batch
-    failed_at bigint[];  -- and the seq each failed at
+    failed_at bigint[];  -- and the queue position each failed at
     through   text[];    -- keys whose heads all went through: their next heads are due at once
     touched   text[];    -- keys that lost heads: unparked if their queues are now empty
 BEGIN
     IF cardinality(cur.heads) > 0 THEN
-        SELECT array_agg(p.aggregate_id), array_agg(p.nacked_seq) INTO failed, failed_at
+        SELECT array_agg(p.aggregate_id), array_agg(p.nacked_pos) INTO failed, failed_at
           FROM outbox._parked p
          WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch;
         WITH delivered AS (
@@ -266,8 +270,8 @@ BEGIN
              WHERE q.ctid = ANY (ARRAY(SELECT (SELECT h.ctid FROM outbox._parked_events h
                                                 WHERE h.consumer_id = c.id AND h.id = out.id)
                                          FROM unnest(cur.heads) AS out(id)))
-               AND NOT EXISTS (SELECT FROM unnest(failed, failed_at) f(key, seq)  -- seq unknown:
-                                WHERE f.key = q.aggregate_id AND q.seq >= coalesce(f.seq, 0))  -- nacked before 0.23.0
+               AND NOT EXISTS (SELECT FROM unnest(failed, failed_at) f(key, pos)  -- pos unknown:
+                                WHERE f.key = q.aggregate_id AND q.pos >= coalesce(f.pos, 0))  -- nacked before 0.23.0
             RETURNING q.aggregate_id)
         SELECT array_agg(DISTINCT d.aggregate_id) FILTER (WHERE d.aggregate_id <> ALL (coalesce(failed, '{}'))),
                array_agg(DISTINCT d.aggregate_id)

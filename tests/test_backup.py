@@ -38,7 +38,7 @@ CONTENTS = {
     "consumers": "SELECT * FROM outbox.consumers ORDER BY id",
     "cursors": "SELECT DISTINCT ON (consumer_id, shard) * FROM outbox._cursor_log"
                " ORDER BY consumer_id, shard, pos DESC",
-    # (nacked_seq, new in 0.23.0, is read only within the batch that set it)
+    # (nacked_pos, new in 0.23.0, is read only within the batch that set it)
     "parked": "SELECT consumer_id, aggregate_id, shard, attempts, next_attempt_at, last_error, nacked_epoch,"
               " parked_at FROM outbox._parked ORDER BY consumer_id, aggregate_id",
     "parked_events": "SELECT * FROM outbox._parked_events ORDER BY pos",

@@ -441,3 +441,22 @@ def test_a_batch_with_hundreds_of_failures_records_them_together(db, relay):
     assert db.execute("SELECT count(*), sum(attempts) FROM outbox._parked").fetchone() == (300, 270)
     assert db.execute("SELECT count(*) FROM outbox._parked_events").fetchone()[0] == 270 * 3 + 30 * 2
     assert sorted(d[0] for d in dead(db)) == sorted(keys[::10])
+
+
+def test_a_replayed_event_behind_a_catching_up_key_keeps_its_place_in_the_queue(db, relay):
+    """replay queues a dead letter behind the key's queue with its old, lower seq: the order of
+    a catching-up key's heads is the queue's, so a failure of a later head keeps the replayed
+    event behind it, and reporting the replayed one after it changes nothing."""
+    a, = keys_in_shard(db, 13, 1)
+    batch, by_key = emit_batch(db, relay, {a: 3})
+    relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(by_key[a][0], "HTTP 422", final=True)])
+    assert parked(db) == {a: [1, 2]} and db.execute("SELECT outbox.replay('sink')").fetchone()[0] == 1
+    assert parked(db) == {a: [1, 2, 0]}
+    heads = relay.claim()
+    assert [e.payload["i"] for e in heads] == [1, 2, 0], "the queue, in its order"
+    relay.nack(heads[1], "second failed")
+    relay.nack(heads[2], "reported after it: nothing changes")
+    relay.ack(heads[0].shard, heads[0].epoch)
+    assert parked(db) == {a: [2, 0]}, "only the head before the failure went through"
+    time.sleep(0.01)
+    assert [e.payload["i"] for e in drain_after_backoff(db, relay)] == [2, 0]

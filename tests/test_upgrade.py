@@ -56,7 +56,7 @@ def test_update_keeps_pending_events_and_parked_keys_in_order(cluster, new_datab
 
 
 def test_a_head_nacked_before_the_update_stays_queued_when_its_batch_is_acked_after(cluster, new_database):
-    """0.23.0 records which event of a parked key failed (nacked_seq) to let the heads before it
+    """0.23.0 records which event of a parked key failed (nacked_pos) to let the heads before it
     go; a head nacked under 0.22.0, whose batch is acked after the UPDATE, has none recorded:
     it must stay queued, not count as delivered."""
     with cluster.connect(new_database()) as db:

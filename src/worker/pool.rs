@@ -32,9 +32,12 @@ pub struct Done {
     pub outcome: Outcome,
     pub started: Instant,
     pub took: Duration,
+    /// The submission's number (see Pool::abandon).
+    ticket: u64,
 }
 
 struct Job {
+    ticket: u64,
     client: Arc<Client>,
     batch: Batch,
     probe: bool,
@@ -42,8 +45,11 @@ struct Job {
 
 pub struct Pool {
     sinks: HashMap<String, SinkThreads>,
-    /// Batches given up on while out (sink, shard, epoch): their outcome is dropped.
-    abandoned: HashSet<(String, i32, i64)>,
+    /// Numbers the submissions: a batch is known by its ticket, whatever its sink's name
+    /// comes to mean later (a sink dropped and made again starts its epochs afresh).
+    next_ticket: u64,
+    /// The tickets of batches given up on while out: their outcome is dropped.
+    abandoned: HashSet<u64>,
     done_tx: Sender<Done>,
     done: Receiver<Done>,
     wake_tx: Arc<UnixStream>,
@@ -56,8 +62,10 @@ struct SinkThreads {
     queue: Arc<Mutex<Receiver<Job>>>,
     threads: usize,
     in_flight: usize,
-    /// The batches out (shard, epoch), abandoned ones aside.
-    out: HashSet<(i32, i64)>,
+    /// The batches out by ticket, (shard, epoch), abandoned ones aside.
+    out: HashMap<u64, (i32, i64)>,
+    /// Abandoned batches still being delivered: they hold threads.
+    abandoned: usize,
 }
 
 impl Pool {
@@ -68,6 +76,7 @@ impl Pool {
         let (done_tx, done) = channel();
         Ok(Pool {
             sinks: HashMap::new(),
+            next_ticket: 0,
             abandoned: HashSet::new(),
             done_tx,
             done,
@@ -99,16 +108,22 @@ impl Pool {
                 queue: Arc::new(Mutex::new(queue)),
                 threads: 0,
                 in_flight: 0,
-                out: HashSet::new(),
+                out: HashMap::new(),
+                abandoned: 0,
             }
         });
+        self.next_ticket += 1;
+        let ticket = self.next_ticket;
         sink.in_flight += 1;
-        sink.out.insert((batch.shard, batch.epoch));
-        if sink.threads < sink.in_flight && spawn(&sink.queue, &self.done_tx, &self.wake_tx) {
+        sink.out.insert(ticket, (batch.shard, batch.epoch));
+        if sink.threads < sink.in_flight + sink.abandoned
+            && spawn(&sink.queue, &self.done_tx, &self.wake_tx)
+        {
             sink.threads += 1;
         }
         // the receiving end lives in sink.queue: sending cannot fail while it lives
         let _ = sink.jobs.send(Job {
+            ticket,
             client,
             batch,
             probe,
@@ -124,20 +139,17 @@ impl Pool {
     }
 
     /// Gives up on a sink's batches out: their outcome, whenever it comes, is dropped, and they
-    /// no longer count against its concurrency (the threads they hold are not counted either,
-    /// so that new batches get threads of their own). Returns them, (shard, epoch), for their
-    /// leases to be given back.
+    /// no longer count against its concurrency (new batches get threads of their own while
+    /// they hold theirs). Returns them, (shard, epoch), for their leases to be given back.
     pub fn abandon(&mut self, sink: &str) -> Vec<(i32, i64)> {
         let Some(threads) = self.sinks.get_mut(sink) else {
             return Vec::new();
         };
-        let out: Vec<(i32, i64)> = threads.out.drain().collect();
+        let out: Vec<(u64, (i32, i64))> = threads.out.drain().collect();
         threads.in_flight = threads.in_flight.saturating_sub(out.len());
-        threads.threads = threads.threads.saturating_sub(out.len());
-        for &(shard, epoch) in &out {
-            self.abandoned.insert((sink.to_owned(), shard, epoch));
-        }
-        out
+        threads.abandoned += out.len();
+        self.abandoned.extend(out.iter().map(|(ticket, _)| *ticket));
+        out.into_iter().map(|(_, batch)| batch).collect()
     }
 
     /// The batches finished since the last call (abandoned ones left out).
@@ -145,16 +157,17 @@ impl Pool {
         let mut buf = [0u8; 256];
         while matches!((&self.wake_rx).read(&mut buf), Ok(n) if n > 0) {}
         let mut done: Vec<Done> = self.done.try_iter().collect();
-        done.retain(|d| {
-            let key = (d.batch.sink.clone(), d.batch.shard, d.batch.epoch);
-            !self.abandoned.remove(&key)
-        });
         for d in &done {
             if let Some(sink) = self.sinks.get_mut(&d.batch.sink) {
-                sink.in_flight = sink.in_flight.saturating_sub(1);
-                sink.out.remove(&(d.batch.shard, d.batch.epoch));
+                if self.abandoned.contains(&d.ticket) {
+                    sink.abandoned = sink.abandoned.saturating_sub(1);
+                } else {
+                    sink.in_flight = sink.in_flight.saturating_sub(1);
+                    sink.out.remove(&d.ticket);
+                }
             }
         }
+        done.retain(|d| !self.abandoned.remove(&d.ticket));
         done
     }
 }
@@ -199,6 +212,7 @@ fn deliver_loop(queue: &Mutex<Receiver<Job>>, done: &Sender<Done>, wake: &UnixSt
             outcome,
             started,
             took: started.elapsed(),
+            ticket: job.ticket,
         };
         if done.send(finished).is_err() {
             return;
