@@ -80,13 +80,23 @@ BEGIN
     UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
       FROM unnest(failures) f
      WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id AND f.event_id = ANY (dead_ids);
+    PERFORM outbox_internal._unpark_emptied(c.id, ARRAY(SELECT f.aggregate_id FROM unnest(failures) f
+                                                         WHERE f.event_id = ANY (dead_ids)));
+END
+$$;
+
+-- Of keys whose queues lost events, those with none left are unparked: they flow with their
+-- shard again. Each key's queue is looked up on its own (OFFSET 0 keeps it a lookup): an
+-- anti-join planned while nothing was parked would read every queued event per key.
+CREATE OR REPLACE FUNCTION outbox_internal._unpark_emptied(consumer_id int, keys text[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
     DELETE FROM outbox._parked p
-     USING unnest(failures) f
-     WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id AND f.event_id = ANY (dead_ids)
+     WHERE p.consumer_id = _unpark_emptied.consumer_id AND p.aggregate_id = ANY (keys)
        AND NOT EXISTS (SELECT FROM outbox._parked_events q
                         WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
-                       OFFSET 0);  -- looked up per key: an anti-join planned while nothing was
-                                   -- parked would read every queued event per key
+                       OFFSET 0);
 END
 $$;
 
@@ -424,11 +434,7 @@ BEGIN
           FROM delivered d;
         UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
          WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (through);
-        DELETE FROM outbox._parked p
-         WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (touched)
-           AND NOT EXISTS (SELECT FROM outbox._parked_events q
-                            WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
-                           OFFSET 0);  -- looked up per key, not joined (see above)
+        PERFORM outbox_internal._unpark_emptied(c.id, touched);
     END IF;
     PERFORM outbox_internal._append(outbox_internal._advance(cur, cur.batch_end, cur.exhausted));
 END
@@ -556,4 +562,5 @@ $$;
 REVOKE ALL ON FUNCTION outbox_internal._keys_failed(outbox.consumers, outbox_internal._failure[], bigint),
                        outbox_internal._fail_keys(outbox.consumers, outbox._cursor_log, outbox.events[],
                                                   outbox_internal._failure[]),
+                       outbox_internal._unpark_emptied(int, text[]),
                        outbox_internal._reload_sinks_at_commit() FROM PUBLIC;

@@ -150,13 +150,23 @@ BEGIN
     UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
       FROM unnest(failures) f
      WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id AND f.event_id = ANY (dead_ids);
+    PERFORM outbox_internal._unpark_emptied(c.id, ARRAY(SELECT f.aggregate_id FROM unnest(failures) f
+                                                         WHERE f.event_id = ANY (dead_ids)));
+END
+$$;
+
+-- Of keys whose queues lost events, those with none left are unparked: they flow with their
+-- shard again. Each key's queue is looked up on its own (OFFSET 0 keeps it a lookup): an
+-- anti-join planned while nothing was parked would read every queued event per key.
+CREATE OR REPLACE FUNCTION outbox_internal._unpark_emptied(consumer_id int, keys text[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
     DELETE FROM outbox._parked p
-     USING unnest(failures) f
-     WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id AND f.event_id = ANY (dead_ids)
+     WHERE p.consumer_id = _unpark_emptied.consumer_id AND p.aggregate_id = ANY (keys)
        AND NOT EXISTS (SELECT FROM outbox._parked_events q
                         WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
-                       OFFSET 0);  -- looked up per key: an anti-join planned while nothing was
-                                   -- parked would read every queued event per key
+                       OFFSET 0);
 END
 $$;
 

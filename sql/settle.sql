@@ -279,11 +279,7 @@ BEGIN
           FROM delivered d;
         UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
          WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (through);
-        DELETE FROM outbox._parked p
-         WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (touched)
-           AND NOT EXISTS (SELECT FROM outbox._parked_events q
-                            WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
-                           OFFSET 0);  -- looked up per key, not joined (see above)
+        PERFORM outbox_internal._unpark_emptied(c.id, touched);
     END IF;
     PERFORM outbox_internal._append(outbox_internal._advance(cur, cur.batch_end, cur.exhausted));
 END
