@@ -24,6 +24,8 @@ pub enum OutboxError {
     InvalidTopic(String),
     /// A sink setting the worker could not use (`setting`: secret, http_headers, tls_ca).
     InvalidSinkSetting { setting: &'static str, why: String },
+    /// An emit in a read-only transaction (`SET TRANSACTION READ ONLY`, or a standby).
+    ReadOnly { standby: bool },
 }
 
 impl OutboxError {
@@ -38,6 +40,7 @@ impl OutboxError {
             OutboxError::InvalidHeaders(_) => ERRCODE_INVALID_PARAMETER_VALUE,
             OutboxError::InvalidTopic(_) => ERRCODE_INVALID_NAME,
             OutboxError::InvalidSinkSetting { .. } => ERRCODE_INVALID_PARAMETER_VALUE,
+            OutboxError::ReadOnly { .. } => ERRCODE_READ_ONLY_SQL_TRANSACTION,
         }
     }
 
@@ -55,6 +58,9 @@ impl OutboxError {
             OutboxError::InvalidTopic(topic) => format!("invalid topic name \"{topic}\""),
             OutboxError::InvalidSinkSetting { setting, why } => {
                 format!("invalid sink {setting}: {why}")
+            }
+            OutboxError::ReadOnly { .. } => {
+                "cannot emit an event in a read-only transaction".into()
             }
         }
     }
@@ -107,6 +113,14 @@ impl OutboxError {
                 "A kafka sink's URL is kafka://host:port[,host:port...] (plaintext) or \
                  kafkas://... (TLS), e.g. 'kafka://broker1:9092,broker2:9092'."
                     .into()
+            }
+            OutboxError::ReadOnly { standby: true } => {
+                "This server is a standby: emit on the primary, in the transaction that writes \
+                 the business data."
+                    .into()
+            }
+            OutboxError::ReadOnly { standby: false } => {
+                "Emit in a read-write transaction, the one that writes the business data.".into()
             }
             OutboxError::InvalidSinkSetting { .. } => {
                 "Paste the CA certificate(s) in PEM form (-----BEGIN CERTIFICATE----- ...), \

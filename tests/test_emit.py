@@ -236,6 +236,20 @@ def test_payload_limit_follows_the_guc(db):
     assert count_events(db) == 1
 
 
+@pytest.mark.parametrize("call", [
+    "SELECT outbox.emit('a', '1', 'e', '{}')",
+    "SELECT count(*) FROM outbox.emit_many('a', 'e', ARRAY['1', '2'], ARRAY['{}', '{}']::jsonb[])"])
+def test_a_read_only_transaction_cannot_emit(db, call):
+    """emit writes its row itself, not through the executor: it must refuse a read-only
+    transaction as an INSERT would (a standby's is one too, tests/test_faults.py)."""
+    with pytest.raises(psycopg.errors.ReadOnlySqlTransaction) as err:
+        with db.transaction():
+            db.execute("SET TRANSACTION READ ONLY")
+            db.execute(call)
+    assert err.value.diag.message_hint
+    assert count_events(db) == 0
+
+
 def test_null_payload_is_allowed_as_a_tombstone(db):
     db.execute("SELECT outbox.emit('a', '1', 'deleted', NULL)")
     assert db.execute("SELECT payload IS NULL FROM outbox.events").fetchone()[0]

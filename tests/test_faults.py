@@ -283,6 +283,8 @@ def test_a_standby_does_not_deliver_and_takes_over_when_promoted(faulty):
             wait_for(lambda: conn.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn,)).fetchone()[0])
             assert conn.execute("SELECT count(*) FROM pg_stat_activity "
                                 "WHERE backend_type LIKE 'outbox_ext%%'").fetchone()[0] == 0, "idle on a standby"
+            with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):   # not XX000
+                conn.execute("SELECT outbox.emit('order', 'x', 'e', '{}')")
         faulty.stop("immediate")                                # the primary fails
         as_postgres(str(standby.bindir / "pg_ctl"), "-D", str(standby.datadir), "-w", "promote")
         receiver = Receiver(port=port)                          # the sink is back

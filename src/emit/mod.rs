@@ -38,6 +38,18 @@ pub const MAX_KEY_BYTES: usize = 1024;
 /// Longest aggregate_type and event_type, in bytes.
 pub const MAX_TYPE_BYTES: usize = 255;
 
+/// Refuses an emit in a read-only transaction, as PostgreSQL refuses an INSERT there (25006).
+/// Needed because emit writes the row itself, not through the executor that checks; on a
+/// standby the write would otherwise fail later, with XX000, when it asks for an xid.
+fn writable() -> Result<(), OutboxError> {
+    // SAFETY: reads backend globals, in a transaction.
+    let (read_only, standby) = unsafe { (pg_sys::XactReadOnly, pg_sys::RecoveryInProgress()) };
+    if read_only || standby {
+        return Err(OutboxError::ReadOnly { standby });
+    }
+    Ok(())
+}
+
 /// Checks one event's fields, in argument order; a bad field raises, so nothing is written.
 fn check_event(
     aggregate_type: Option<&str>,
@@ -47,6 +59,7 @@ fn check_event(
     headers: Option<&JsonB>,
     topic: Option<&str>,
 ) {
+    writable().or_raise();
     required("aggregate_type", aggregate_type, MAX_TYPE_BYTES).or_raise();
     required("aggregate_id", aggregate_id, MAX_KEY_BYTES).or_raise();
     required("event_type", event_type, MAX_TYPE_BYTES).or_raise();
@@ -119,6 +132,7 @@ fn check_batch_fields(
     headers: Option<&JsonB>,
     topic: Option<&str>,
 ) {
+    writable().or_raise();
     required("aggregate_type", aggregate_type, MAX_TYPE_BYTES).or_raise();
     required("event_type", event_type, MAX_TYPE_BYTES).or_raise();
     check_routing(headers, topic);
