@@ -60,7 +60,7 @@ BEGIN
     IF is_null THEN
         RAISE EXCEPTION '% must not be NULL', arg
             USING ERRCODE = 'null_value_not_allowed',
-                  HINT = format('Pass %s to %s; the README lists every argument.', arg, func);
+                  HINT = format('Pass %s to %s; docs/reference/%s.md describes every argument.', arg, func, func);
     END IF;
 END
 $$;

@@ -271,7 +271,7 @@ BEGIN
     IF name IS NULL THEN
         RAISE EXCEPTION 'name must not be NULL'
             USING ERRCODE = 'null_value_not_allowed',
-                  HINT = 'Pass name to outbox.pause_sink; the README lists every argument.';
+                  HINT = 'Pass name to outbox.pause_sink; docs/reference/outbox.pause_sink.md describes it.';
     END IF;
     UPDATE outbox.sinks s SET enabled = false WHERE s.name OPERATOR(pg_catalog.=) pause_sink.name;
     IF NOT FOUND THEN
@@ -291,7 +291,7 @@ BEGIN
     IF name IS NULL THEN
         RAISE EXCEPTION 'name must not be NULL'
             USING ERRCODE = 'null_value_not_allowed',
-                  HINT = 'Pass name to outbox.resume_sink; the README lists every argument.';
+                  HINT = 'Pass name to outbox.resume_sink; docs/reference/outbox.resume_sink.md describes it.';
     END IF;
     -- always an update, enabled or not: a new updated_at makes the worker start afresh
     UPDATE outbox.sinks s SET enabled = true WHERE s.name OPERATOR(pg_catalog.=) resume_sink.name;

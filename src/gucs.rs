@@ -5,8 +5,9 @@ use std::ffi::CString;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-/// Largest payload `emit` accepts, in bytes of the stored jsonb. Reloads on SIGHUP; users may
-/// lower or raise it per session.
+/// Largest payload `emit` accepts, in bytes of the stored jsonb. Superuser context: set per
+/// role (`ALTER ROLE ... SET`) or in postgresql.conf (reloads on SIGHUP); a producer cannot
+/// raise its own limit.
 pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
 
 /// Databases the background worker serves, comma-separated. Reloads on SIGHUP.
