@@ -211,6 +211,7 @@ rate[pgq_all]=$(awk -v n="$EVENTS" -v a="$start" -v b="$(now_s)" 'BEGIN{printf "
 log "PgQ one batch of everything: ${rate[pgq_all]} events/s"
 for key in "${!rate[@]}"; do rate[$key]=$(median "$key"); done
 
+report() {
 echo
 echo "Drain benchmark: $EVENTS events, PostgreSQL 15, $(nproc) cores, no network; medians of $ROUNDS rounds"
 echo
@@ -233,4 +234,8 @@ echo "| | claims | events/s |"
 echo "| --- | --- | --- |"
 echo "| no failure | ${rate[hot_claims_false]} | ${rate[hot_rate_false]} |"
 echo "| hot key's first event fails once | ${rate[hot_claims_true]} ($(ratio "${rate[hot_claims_true]}" "${rate[hot_claims_false]}")) | ${rate[hot_rate_true]} ($(ratio "${rate[hot_rate_true]}" "${rate[hot_rate_false]}")) |"
+}
+# the report, kept for the chart of docs/benchmarks.md
+report | tee "$TARGET/bench/claim.md"
+draw_chart drain "$TARGET/bench/claim.md"
 rm -rf "$WORK"

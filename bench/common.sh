@@ -30,6 +30,15 @@ pgbench_run() {
         -f "$script" "$@" bench 2>/dev/null | sed -n 's/^tps = \([0-9.]*\).*/\1/p'
 }
 
+# draw_chart KIND FILE: the charts of docs/benchmarks.md from a run's output (bench/chart.py),
+# with matplotlib in the venv (only the benchmarks need it).
+CHART_PACKAGES="matplotlib==3.10.8"
+draw_chart() {
+    "$VENV/bin/python" -c "import matplotlib" 2>/dev/null ||
+        "$VENV/bin/pip" install -q --disable-pip-version-check $CHART_PACKAGES
+    "$VENV/bin/python" "$ROOT/bench/chart.py" "$@"
+}
+
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b > 0) printf "%.2fx", a/b; else print "-" }'; }
 now_s() { date +%s.%N; }
 

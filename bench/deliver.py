@@ -15,7 +15,8 @@ serves database "bench"). Prints, each against a baseline measured in the same r
    draining the same backlog from the WAL; and the commit-to-consumer latency at 1,000
    events/s of all three (last: the Kafka client's threads linger in this process and disturb the HTTP
    latency figures).
-Usage: deliver.py PORT EVENTS BACKLOG [steps: throughput latency rss kafka rss_kafka]"""
+Usage: deliver.py PORT EVENTS BACKLOG [steps: throughput latency rss kafka rss_kafka latency_kafka]
+(latency_kafka: only the Kafka latency figures of the kafka step)"""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.debezium import (readme_slot, run_outbox_router, start_outbox_router,  # noqa: E402
+from support.debezium import (guide_slot, run_outbox_router, start_outbox_router,  # noqa: E402
                               wait_outbox_router)
 from support.kafka_cluster import KafkaCluster  # noqa: E402
 from support.peers import KafkaRestFront  # noqa: E402
@@ -39,6 +40,27 @@ from support.pgcluster import free_port  # noqa: E402
 
 PORT, EVENTS, BACKLOG = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 DSN = f"host=127.0.0.1 port={PORT} user=postgres dbname=bench"
+# What a run measured, by figure, for bench/chart.py: written to target/bench/deliver.json,
+# over the figures of an earlier run's other steps.
+RESULTS_FILE = Path(__file__).resolve().parent.parent / "target/bench/deliver.json"
+RESULTS: dict = json.loads(RESULTS_FILE.read_text()) if RESULTS_FILE.exists() else {}
+
+
+def record(figure: str, **values) -> None:
+    RESULTS[figure] = values
+    RESULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_FILE.write_text(json.dumps(RESULTS, indent=1, sort_keys=True) + "\n")
+
+
+def summary(ms: list[float]) -> dict:
+    """p50, p99 and p999 of latencies in ms, and how many there were."""
+    ms = sorted(ms)
+    at = lambda q: ms[max(0, int(len(ms) * q) - 1)]  # noqa: E731
+    return {"p50": statistics.median(ms), "p99": at(0.99), "p999": at(0.999), "n": len(ms)}
+
+
+def said(lat: dict) -> str:
+    return f"p50 {lat['p50']:6.1f} ms   p99 {lat['p99']:6.1f} ms   p999 {lat['p999']:6.1f} ms"
 
 
 class Counter:
@@ -167,6 +189,7 @@ def throughput(conn) -> None:
     receiver.reset()
     baseline = hand_rolled_relay(conn, receiver.url, EVENTS)
     receiver.close()
+    record("http_throughput", events=EVENTS, worker=ours, ceiling=top, hand_rolled_relay=baseline)
     print(f"HTTP webhook, {EVENTS:,} events, batches of 1,000, 4 in flight:")
     print(f"  outbox_ext worker        {ours:>10,.0f} events/s")
     print(f"  receiver ceiling         {top:>10,.0f} events/s   worker/ceiling  {ours / top:.2f}x")
@@ -198,6 +221,7 @@ def kafka(conn) -> None:
     top = ceiling(front.url + "/topics/bench", n, 500, {"content-type": "application/vnd.kafka.json.v2+json"},
                   lambda _n: body)
     front.close()
+    record("kafka_rest", events=n, ceiling=top, keys_100000=results[100_000], keys_1000=results[1000])
     print(f"Kafka REST v2 (REST front in Python over 3-node Kafka), {n:,} events, batches of 500:")
     print(f"  front ceiling            {top:>10,.0f} events/s   (500 records per request, no database)")
     for keys, rate in results.items():
@@ -304,6 +328,9 @@ def kafka_native(conn, brokers, rest_hot: float) -> None:
         sink = f"native{keys}_{batch}"
         results[keys, batch] = native_drain(conn, brokers, topic(sink), batch, keys)
         ceilings.append(ceiling(i))
+    record("kafka_native", events=EVENTS, ceilings=ceilings,
+           runs=[{"keys": keys, "batch": batch, "rate": rate, "ceiling": max(ceilings[i], ceilings[i + 1])}
+                 for i, ((keys, batch), rate) in enumerate(results.items())])
     print(f"Kafka native (librdkafka into 3-node Kafka, RF 3, acks=all), {EVENTS:,} events, 4 batches in flight:")
     print("  plain producer ceiling (confluent-kafka, same records, no database), before, between and after the runs:")
     print("   " + ", ".join(f"{c:,.0f}" for c in ceilings) + " events/s")
@@ -316,10 +343,12 @@ def kafka_native(conn, brokers, rest_hot: float) -> None:
               f"{results[1000, batch] / results[100_000, batch]:.2f}x;   "
               f"hot keys native / REST  {results[1000, batch] / rest_hot:.1f}x")
     sys.stdout.flush()
-    print("Debezium 3.6.1's outbox event router (embedded engine, pgoutput, the README's configuration;")
+    print("Debezium 3.6.1's outbox event router (embedded engine, pgoutput, the Kafka guide's configuration;")
     print("  sends a batch, waits for its acks, then commits its offsets, as Debezium Server does):")
     for keys in (100_000, 1000):
         rate = debezium_drain(conn, brokers, keys)
+        RESULTS["kafka_native"][f"debezium_{keys}"] = rate
+        record("kafka_native", **RESULTS["kafka_native"])
         native = max(results[keys, 1000], results[keys, 5000])
         print(f"  Debezium, {keys:>7,} keys         {rate:>10,.0f} events/s   "
               f"native/Debezium  {native / rate:.1f}x  (native's best batch size)")
@@ -331,11 +360,22 @@ def debezium_drain(conn, brokers, keys: int) -> float:
     as the native sink's is)."""
     topic = f"dbz{keys}."
     brokers.create_topic(f"{topic}outbox.event.order", partitions=4)
-    with readme_slot(conn):
+    with guide_slot(conn):
         fill(conn, EVENTS, keys=keys)
         seconds = run_outbox_router(PORT, "bench", brokers.bootstrap(), expect=EVENTS, topic_prefix=topic,
                                     timeout=900)
     return EVENTS / seconds
+
+
+def latency_kafka(conn) -> None:
+    """The Kafka latency figures alone (the last part of the kafka step), on a cluster of their
+    own, warmed first as the kafka step's runs warm it (a fresh cluster's first seconds, with
+    coordinators still loading, would be measured otherwise)."""
+    brokers = KafkaCluster()
+    brokers.create_topic("warm", partitions=4)
+    producer_ceiling(brokers.bootstrap(), "warm", EVENTS, 100_000)
+    kafka_latency(conn, brokers)
+    brokers.close()
 
 
 def kafka_latency(conn, brokers) -> None:
@@ -355,6 +395,9 @@ def kafka_latency(conn, brokers) -> None:
             "SELECT outbox.emit('order', %s, 'order.created', '{\"n\": 1}', NULL, 'lat')::text",
             (str(i % 100),)).fetchone()[0])
         ours = tail.percentiles(committed)
+    # a suspension (the sink judged down) during the run would make the tail: say so
+    ours["suspensions"], ours["failed"] = conn.execute(
+        "SELECT sink_suspensions, failed_total FROM outbox.status WHERE consumer = 'kafka_lat'").fetchone()
     conn.execute("SELECT outbox.drop_sink('kafka_lat')")
     brokers.create_topic("lat_plain", partitions=4)
     producer = Producer({"bootstrap.servers": brokers.bootstrap(), "enable.idempotence": True, "acks": "all",
@@ -372,20 +415,22 @@ def kafka_latency(conn, brokers) -> None:
         theirs = tail.percentiles(paced(rate, seconds, send))
     producer.flush(10)
     debezium = debezium_latency(conn, brokers, rate, seconds)
+    record("kafka_latency", rate=rate, seconds=seconds, native=ours, producer=theirs, debezium=debezium)
     print(f"Kafka commit-to-consumer latency at {rate:,} events/s for {seconds} s (as a consumer sees it):")
-    print(f"  outbox_ext worker        p50 {ours[0]:6.1f} ms   p99 {ours[1]:6.1f} ms   ({ours[2]:,} events)")
-    print(f"  plain producer           p50 {theirs[0]:6.1f} ms   p99 {theirs[1]:6.1f} ms   "
-          f"(send to arrival: the broker's and consumer's share)   worker/producer p99 {ours[1] / theirs[1]:.1f}x")
-    print(f"  Debezium outbox router   p50 {debezium[0]:6.1f} ms   p99 {debezium[1]:6.1f} ms   "
-          f"(its defaults)   Debezium/worker p99 {debezium[1] / ours[1]:.1f}x")
+    print(f"  outbox_ext worker        {said(ours)}   ({ours['n']:,} events; sink suspended "
+          f"{ours['suspensions']} times, {ours['failed']} failed deliveries)")
+    print(f"  plain producer           {said(theirs)}   "
+          f"(send to arrival: the broker's and consumer's share)   worker/producer p99 {ours['p99'] / theirs['p99']:.1f}x")
+    print(f"  Debezium outbox router   {said(debezium)}   "
+          f"(its defaults)   Debezium/worker p99 {debezium['p99'] / ours['p99']:.1f}x")
 
 
-def debezium_latency(conn, brokers, rate: int, seconds: int) -> tuple[float, float, int]:
-    """Commit to arrival through Debezium's router (the README's configuration, its defaults
+def debezium_latency(conn, brokers, rate: int, seconds: int) -> dict:
+    """Commit to arrival through Debezium's router (the Kafka guide's configuration, its defaults
     otherwise), paced as the native sink's run."""
     prefix = "dbzlat."
     brokers.create_topic(f"{prefix}outbox.event.order", partitions=4)
-    with readme_slot(conn):
+    with guide_slot(conn):
         router = start_outbox_router(PORT, "bench", brokers.bootstrap(), expect=1 + rate * seconds,
                                      topic_prefix=prefix)
         try:
@@ -432,12 +477,11 @@ class Tail:
         self.stop.set()
         self.thread.join()
 
-    def percentiles(self, sent: dict[str, float]) -> tuple[float, float, int]:
+    def percentiles(self, sent: dict[str, float]) -> dict:
         deadline = time.monotonic() + 30
         while len(self.arrivals) < len(sent) and time.monotonic() < deadline:
             time.sleep(0.05)
-        ms = sorted((self.arrivals[i] - t) * 1000 for i, t in sent.items() if i in self.arrivals)
-        return statistics.median(ms), ms[max(0, int(len(ms) * 0.99) - 1)], len(ms)
+        return summary([(self.arrivals[i] - t) * 1000 for i, t in sent.items() if i in self.arrivals])
 
 
 def _wait_produced(front, n):
@@ -460,11 +504,10 @@ def paced(rate: int, seconds: int, emit_one) -> dict[str, float]:
     return committed
 
 
-def percentiles(receiver: Counter, committed: dict[str, float]) -> tuple[float, float, int]:
+def percentiles(receiver: Counter, committed: dict[str, float]) -> dict:
     receiver.wait(len(committed), timeout=30)
     arrivals = receiver.arrivals()
-    ms = sorted((arrivals[i] - t) * 1000 for i, t in committed.items() if i in arrivals)
-    return statistics.median(ms), ms[max(0, int(len(ms) * 0.99) - 1)], len(ms)
+    return summary([(arrivals[i] - t) * 1000 for i, t in committed.items() if i in arrivals])
 
 
 def polling_relay(url: str, stop: threading.Event) -> None:
@@ -502,10 +545,11 @@ def latency(conn) -> None:
     stop.set()
     relay.join()
     receiver.close()
+    record("http_latency", rate=rate, seconds=seconds, worker=ours, polling_relay=theirs)
     print(f"Commit-to-sink latency at {rate:,} events/s for {seconds} s:")
-    print(f"  outbox_ext worker        p50 {ours[0]:6.1f} ms   p99 {ours[1]:6.1f} ms   ({ours[2]:,} events)")
-    print(f"  100 ms polling relay     p50 {theirs[0]:6.1f} ms   p99 {theirs[1]:6.1f} ms   "
-          f"relay/worker p50 {theirs[0] / ours[0]:.1f}x, p99 {theirs[1] / ours[1]:.1f}x")
+    print(f"  outbox_ext worker        {said(ours)}   ({ours['n']:,} events)")
+    print(f"  100 ms polling relay     {said(theirs)}   "
+          f"relay/worker p50 {theirs['p50'] / ours['p50']:.1f}x, p99 {theirs['p99'] / ours['p99']:.1f}x")
 
 
 def rss(conn) -> None:

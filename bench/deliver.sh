@@ -10,3 +10,4 @@ shift 2 || shift $#
 # wal_level logical: the Kafka step runs Debezium beside the native sink
 start_bench_cluster deliver "outbox_ext.databases = 'bench'" "wal_level = logical"
 "$VENV/bin/python" "$(dirname "$0")/deliver.py" "$PORT" "$EVENTS" "$BACKLOG" "$@"
+draw_chart deliver "$TARGET/bench/deliver.json"   # deliver.py writes what it measured there
