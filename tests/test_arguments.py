@@ -1,6 +1,6 @@
 """Every argument of every API function, generated from the catalog: a NULL where a value is
 required gets 22004 with a hint, never a constraint, datetime or "does not exist" error, and
-never a silently broken object; out-of-range values get 22023 with a hint (README: Errors)."""
+never a silently broken object; out-of-range values get 22023 with a hint (docs/reference/README.md: Errors)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ VALID = {
     "inbox.uuid_at": {"ts": "2026-01-01"},
     "inbox.uuid_time": {"id": EVENT},
 }
-# Arguments documented as optional: NULL is a meaning of its own (README).
+# Arguments documented as optional: NULL is a meaning of its own (docs/reference).
 NULL_OK = {
     ("outbox.emit", "payload"), ("outbox.emit", "headers"), ("outbox.emit", "topic"),
     ("outbox.emit_many", "headers"), ("outbox.emit_many", "topic"),

@@ -1,9 +1,9 @@
 """The native sink's `format => 'debezium'` against Debezium itself: Debezium 3.6.1's embedded
-engine with the outbox event router, configured exactly as the README's CDC section shows
+engine with the outbox event router, configured exactly as the Kafka guide (docs/guides/kafka.md) shows
 (support/debezium.py), reads the same events from the WAL and produces them to the same real
 Kafka cluster as a Connect worker would; both streams are read back with a real Kafka client
 and compared record by record: partition, key bytes, value bytes and headers, each key's
-records in order. Where Debezium cannot carry a payload as it is, the README lists the
+records in order. Where Debezium cannot carry a payload as it is, the Kafka guide lists the
 difference, and so does this test."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from support.debezium import readme_slot, run_outbox_router
+from support.debezium import guide_slot, run_outbox_router
 from support.peers import wait_for
 
 _types = itertools.count()
@@ -29,7 +29,7 @@ SAME = [
     {"ordered": 1, "a": 2, "bb": 3, "ccc": {"z": 1, "y": 2}},
 ]
 KEYS = ["order-1", "ключ-2", "键3", "🎉4", "with space 5"]
-# What it does not: payload (as jsonb text) -> the value Debezium produces, as the README says.
+# What it does not: payload (as jsonb text) -> the value Debezium produces, as the Kafka guide says.
 # (A top-level array, or an integer beyond 64 bits, stops the connector: not run here.)
 DIFFERENT = {
     '{"n": null, "e": [], "k": 1}': b'{"k":1}',                            # null and [] fields dropped
@@ -41,7 +41,7 @@ DIFFERENT = {
 
 @pytest.fixture
 def cdc(conn):
-    with readme_slot(conn):
+    with guide_slot(conn):
         yield
 
 
@@ -91,7 +91,7 @@ def test_the_sink_and_debezium_produce_the_same_records(cluster, conn, deliver_d
     theirs = {r["key"]: r["value"] for r in kafka.read(f"{PREFIX}outbox.event.{different}", expect=len(DIFFERENT))}
     for i, (payload, debezium_value) in enumerate(DIFFERENT.items()):
         key = f"d{i}".encode()
-        assert theirs[key] == debezium_value, f"Debezium no longer does what the README says of {payload}"
+        assert theirs[key] == debezium_value, f"Debezium no longer does what the Kafka guide says of {payload}"
         assert json.loads(ours[key]) == json.loads(payload), "the sink carries the payload as it is"
     wait_for(lambda: conn.execute("SELECT undelivered FROM outbox.status WHERE consumer = %s",
                                   (sink,)).fetchone()[0] == 0)

@@ -9,7 +9,7 @@ import pytest
 
 from support.relay import Relay
 
-KEY = "k" * 1024           # the longest key emit takes (README: Errors)
+KEY = "k" * 1024           # the longest key emit takes (docs/reference/outbox.emit.md)
 
 
 @pytest.mark.parametrize("call", [

@@ -1,6 +1,6 @@
 """Prometheus metrics: the worker's endpoint, scraped by a real Prometheus (Debian's package),
 whose HTTP API the tests then query. Known deliveries, failures, a parked key, a dead letter and
-a batch held in flight must show up as the series the README documents, equal to what
+a batch held in flight must show up as the series docs/guides/monitoring.md documents, equal to what
 outbox.status says."""
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def test_a_head_nacked_before_the_update_stays_queued_when_its_batch_is_acked_af
 
 def test_update_while_relays_claim_and_settle_loses_nothing(cluster, new_database):
     """The newest delta alters tables while two relays claim and settle (the old SQL on the new
-    library, as between the restart and the UPDATE). Whoever a deadlock picks (README: the
+    library, as between the restart and the UPDATE). Whoever a deadlock picks (docs/guides/operations.md: the
     UPDATE may have to be run again; a relay's claim or settle is retried) every event is
     delivered, each key's first deliveries in order, and the update lands."""
     name = new_database()

@@ -1,5 +1,5 @@
 """Debezium 3.6.1's embedded engine with its outbox event router, configured exactly as the
-README's CDC section says (its properties block is read from README.md), producing to Kafka as
+Kafka guide says (its properties block is read from docs/guides/kafka.md), producing to Kafka as
 a Connect worker would (support/debezium/OutboxRouter.java). The jars come from Maven Central
 through scripts/kafka.sh fetch_debezium.
 """
@@ -20,21 +20,21 @@ PROGRAM = Path(__file__).resolve().parent / "debezium/OutboxRouter.java"
 KAFKA_SH = ROOT / "scripts/kafka.sh"
 
 
-def readme_properties() -> dict[str, str]:
-    """The connector's properties as the README's CDC section shows them (its first
-    ```properties block)."""
-    text = (ROOT / "README.md").read_text()
+def guide_properties() -> dict[str, str]:
+    """The connector's properties as the Kafka guide shows them (its first ```properties
+    block), so that the configuration users copy is the one tested."""
+    text = (ROOT / "docs/guides/kafka.md").read_text()
     block = re.search(r"```properties\n(.*?)```", text, re.S).group(1)
     pairs = (line.split("=", 1) for line in block.splitlines() if line.strip() and not line.startswith("#"))
     return {k.strip(): v.strip() for k, v in pairs}
 
 
 @contextlib.contextmanager
-def readme_slot(conn):
-    """The README's publication, and its slot made now (Debezium, with snapshot.mode no_data,
+def guide_slot(conn):
+    """The Kafka guide's publication, and its slot made now (Debezium, with snapshot.mode no_data,
     starts from the slot: it reads what is committed from here on); both dropped at the end,
     once Debezium has let go of the slot."""
-    props = readme_properties()
+    props = guide_properties()
     publication, slot = props["publication.name"], props["slot.name"]
     conn.execute(f"CREATE PUBLICATION {publication} FOR TABLE outbox.events "
                  "WITH (publish = 'insert', publish_via_partition_root = true)")
@@ -52,7 +52,7 @@ def readme_slot(conn):
 
 def run_outbox_router(pg_port: int, dbname: str, bootstrap: str, expect: int, topic_prefix: str = "",
                       timeout: float = 180.0) -> float:
-    """Runs Debezium on the README's configuration against dbname (its publication and slot,
+    """Runs Debezium on the Kafka guide's configuration against dbname (its publication and slot,
     named there, must exist) until it has produced `expect` records to Kafka, each topic the
     router picks prefixed with topic_prefix. Returns the seconds from its first record to
     its last ack."""
@@ -65,8 +65,8 @@ def start_outbox_router(pg_port: int, dbname: str, bootstrap: str, expect: int,
     subprocess.run(["bash", str(KAFKA_SH), "fetch_debezium"], check=True, timeout=600)
     work = Path(tempfile.mkdtemp(prefix="outbox-debezium-"))
     settings = {
-        **readme_properties(),
-        # where the database is, and what the README leaves to the deployment
+        **guide_properties(),
+        # where the database is, and what the guide leaves to the deployment
         "name": "outbox-cdc",
         "topic.prefix": "outbox",
         "database.hostname": "127.0.0.1",
