@@ -60,7 +60,9 @@ BEGIN
     IF is_null THEN
         RAISE EXCEPTION '% must not be NULL', arg
             USING ERRCODE = 'null_value_not_allowed',
-                  HINT = format('Pass %s to %s; docs/reference/%s.md describes every argument.', arg, func, func);
+                  HINT = format('Pass %s to %s; %s describes every argument.', arg, func,
+                                CASE WHEN func ~ '^(outbox|inbox)\.[a-z_]+$' THEN 'docs/reference/' || func || '.md'
+                                     ELSE 'docs/reference/README.md' END);
     END IF;
 END
 $$;

@@ -2,8 +2,9 @@
 --
 -- Why: the documentation moved out of the README into docs/ (a page per function in
 -- docs/reference), so the hints of the NULL-argument errors point there instead of at the
--- README. emit and emit_many now refuse a read-only transaction (and a standby) with 25006, as
--- an INSERT is refused; that check is in the library, no SQL changes for it.
+-- README (or at the reference index, where the caller is not one function). emit and emit_many
+-- now refuse a read-only transaction (and a standby) with 25006 and a hint before they take an
+-- xid; that check is in the library, no SQL changes for it.
 --
 -- A delta: what changed from 0.23.0 to 0.24.0, rerunnable.
 
@@ -16,7 +17,9 @@ BEGIN
     IF is_null THEN
         RAISE EXCEPTION '% must not be NULL', arg
             USING ERRCODE = 'null_value_not_allowed',
-                  HINT = format('Pass %s to %s; docs/reference/%s.md describes every argument.', arg, func, func);
+                  HINT = format('Pass %s to %s; %s describes every argument.', arg, func,
+                                CASE WHEN func ~ '^(outbox|inbox)\.[a-z_]+$' THEN 'docs/reference/' || func || '.md'
+                                     ELSE 'docs/reference/README.md' END);
     END IF;
 END
 $$;

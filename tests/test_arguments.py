@@ -4,10 +4,14 @@ never a silently broken object; out-of-range values get 22023 with a hint (docs/
 
 from __future__ import annotations
 
+import re
 import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 EVENT = str(uuid.uuid4())
 # A valid call of each API function (the tests NULL one argument at a time); a function missing
@@ -122,6 +126,8 @@ def test_a_null_where_a_value_is_required_is_22004_with_a_hint(db, api):
             with pytest.raises(psycopg.errors.NullValueNotAllowed) as e:
                 call(db, function, values, types)
             assert e.value.diag.message_hint, f"{function}({arg} => NULL) has no hint"
+            for page in re.findall(r"docs/reference/.*?\.md", e.value.diag.message_hint):
+                assert (ROOT / page).exists(), f"{function}({arg} => NULL): the hint names {page}, which is missing"
             assert arg in e.value.diag.message_primary, f"{function}({arg} => NULL) does not name it"
             checked += 1
     assert checked >= 40

@@ -38,9 +38,10 @@ pub const MAX_KEY_BYTES: usize = 1024;
 /// Longest aggregate_type and event_type, in bytes.
 pub const MAX_TYPE_BYTES: usize = 255;
 
-/// Refuses an emit in a read-only transaction, as PostgreSQL refuses an INSERT there (25006).
-/// Needed because emit writes the row itself, not through the executor that checks; on a
-/// standby the write would otherwise fail later, with XX000, when it asks for an xid.
+/// Refuses an emit in a read-only transaction, as PostgreSQL refuses an INSERT there (25006),
+/// before an xid is taken. Needed because emit writes the row itself, not through the executor
+/// that checks: otherwise the sequence refused it only after the xid (no hint), and on a
+/// standby the xid itself failed, with XX000.
 fn writable() -> Result<(), OutboxError> {
     // SAFETY: reads backend globals, in a transaction.
     let (read_only, standby) = unsafe { (pg_sys::XactReadOnly, pg_sys::RecoveryInProgress()) };
