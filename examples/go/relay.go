@@ -179,19 +179,32 @@ func (r *relay) settleAndClaim(ctx context.Context, owner string, shard int32, e
 // publish sends the batch to Kafka and waits for every record's result. It returns the events
 // that did not make it, one per key (the first), as settle wants them.
 func (r *relay) publish(ctx context.Context, batch []event) []failure {
-	records := make([]*kgo.Record, len(batch))
+	// A record too large for a produce request fails at once, alone, without failing the later
+	// records of its partition: the key's later events would reach Kafka ahead of it. So such a
+	// record is not produced, nor anything after it of its key (settle holds those back).
+	errs := make([]error, len(batch))
+	tooLarge := map[string]bool{}
+	var records []*kgo.Record
 	index := make(map[*kgo.Record]int, len(batch))
 	for i, ev := range batch {
+		if tooLarge[ev.AggregateID] {
+			continue
+		}
 		topic := r.topic
 		if ev.Topic != nil {
 			topic = *ev.Topic
 		}
-		records[i] = &kgo.Record{Topic: topic, Key: []byte(ev.AggregateID), Value: ev.Payload, Headers: headers(ev)}
-		index[records[i]] = i
+		rec := &kgo.Record{Topic: topic, Key: []byte(ev.AggregateID), Value: ev.Payload, Headers: headers(ev)}
+		if recordBytes(rec) > maxRecordBytes {
+			tooLarge[ev.AggregateID] = true
+			errs[i] = fmt.Errorf("%d bytes, over %d: %w", recordBytes(rec), maxRecordBytes, kerr.MessageTooLarge)
+			continue
+		}
+		records = append(records, rec)
+		index[rec] = i
 	}
 	// One call for the whole batch: franz-go batches the records per partition and keeps their
 	// order within each, and the results come back when all are acknowledged or failed.
-	errs := make([]error, len(batch))
 	for _, res := range r.kafka.ProduceSync(ctx, records...) { // results come in no particular order
 		errs[index[res.Record]] = res.Err
 	}
@@ -217,6 +230,20 @@ func (r *relay) publish(ctx context.Context, batch []event) []failure {
 		failures = append(failures, f)
 	}
 	return failures
+}
+
+// maxRecordBytes: the most a record may take, below franz-go's default ProducerBatchMaxBytes
+// (1,000,012) less a batch's overhead. outbox.emit takes payloads up to
+// outbox_ext.max_payload_bytes (1 MiB by default), which can be more.
+const maxRecordBytes = 1_000_012 - 512
+
+// recordBytes is about what a record takes in a produce request.
+func recordBytes(rec *kgo.Record) int {
+	n := len(rec.Key) + len(rec.Value) + 64
+	for _, h := range rec.Headers {
+		n += len(h.Key) + len(h.Value) + 8
+	}
+	return n
 }
 
 // recordError tells whether Kafka refused the record (or the batch it was in) for its content.
