@@ -6,8 +6,8 @@
 //! event topic "orders" (or, without one, its aggregate type), renamed by topic_map
 //!   -> value: the payload's JSON text (NULL: a tombstone)
 //!   -> headers: the event's own, then outbox-id and outbox-event-type
-//! format debezium (native only), the records of Debezium's outbox event router as the README
-//! configures it (tests/test_debezium.py compares the two):
+//! format debezium (native only), the records of Debezium's outbox event router as
+//! docs/guides/kafka.md configures it (tests/test_debezium.py compares the two):
 //!   topic outbox.event.<aggregate type>, value the payload as compact JSON,
 //!   headers id, eventType and outbox-headers (the event's headers as one JSON text, or null)
 //! ```

@@ -5,7 +5,7 @@
 // program (java -cp 'target/debezium/libs/*' OutboxRouter.java ...); no build step.
 //
 // Arguments: PROPERTIES BOOTSTRAP TOPIC_PREFIX EXPECT
-//   PROPERTIES    the connector's properties (the README's, plus where the database is)
+//   PROPERTIES    the connector's properties (the Kafka guide's, plus where the database is)
 //   BOOTSTRAP     the Kafka brokers, host:port,...
 //   TOPIC_PREFIX  put before every topic the router picks (so that its records and the native
 //                 sink's can be told apart in one cluster); "" for none
