@@ -1,6 +1,6 @@
 """The docs cannot drift from the code.
 
-Reference: every function, view and table of the `outbox` and `inbox` schemas that users see
+Reference: every function, view, table and row type of the `outbox` and `inbox` schemas users see
 (names without a leading underscore) and every `outbox_ext.*` setting has a page,
 docs/reference/<name>.md, whose signature block matches the catalog; no page names an object
 that does not exist, and the reference index links every page.
@@ -101,12 +101,13 @@ def catalog_signatures(conn) -> dict[str, set[str]]:
         sigs.setdefault(name, set()).add(normalized(sig))
     for name, sig in conn.execute("""
             SELECT n.nspname || '.' || c.relname,
-                   CASE c.relkind WHEN 'v' THEN 'VIEW ' ELSE 'TABLE ' END || n.nspname || '.' || c.relname
+                   CASE c.relkind WHEN 'v' THEN 'VIEW ' WHEN 'c' THEN 'TYPE ' ELSE 'TABLE ' END
+                   || n.nspname || '.' || c.relname
                    || '(' || string_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod), ', '
                                         ORDER BY a.attnum) || ')'
               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
               JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
-             WHERE n.nspname IN ('outbox', 'inbox') AND c.relkind IN ('r', 'p', 'v')
+             WHERE n.nspname IN ('outbox', 'inbox') AND c.relkind IN ('r', 'p', 'v', 'c')
                AND NOT c.relispartition AND c.relname NOT LIKE '\\_%'
              GROUP BY n.nspname, c.relname, c.relkind"""):
         sigs[name] = {normalized(sig)}
