@@ -367,6 +367,18 @@ def debezium_drain(conn, brokers, keys: int) -> float:
     return EVENTS / seconds
 
 
+def batches_of(consumer: str) -> tuple[int, float]:
+    """How many batches the worker delivered for consumer, and their mean time from hand-off to
+    the last report (outbox_delivery_duration_seconds, from the worker's metrics on PORT - 1)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT - 1}/metrics") as reply:
+        text = reply.read().decode()
+    def value(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") and f'consumer="{consumer}"' in line)
+    count = value("outbox_delivery_duration_seconds_count")
+    return int(count), 1000 * value("outbox_delivery_duration_seconds_sum") / max(count, 1)
+
+
 def latency_kafka(conn) -> None:
     """The Kafka latency figures alone (the last part of the kafka step), on a cluster of their
     own, warmed first as the kafka step's runs warm it (a fresh cluster's first seconds, with
@@ -398,6 +410,7 @@ def kafka_latency(conn, brokers) -> None:
     # a suspension (the sink judged down) during the run would make the tail: say so
     ours["suspensions"], ours["failed"] = conn.execute(
         "SELECT sink_suspensions, failed_total FROM outbox.status WHERE consumer = 'kafka_lat'").fetchone()
+    ours["batches"], ours["batch_ms"] = batches_of("kafka_lat")
     conn.execute("SELECT outbox.drop_sink('kafka_lat')")
     brokers.create_topic("lat_plain", partitions=4)
     producer = Producer({"bootstrap.servers": brokers.bootstrap(), "enable.idempotence": True, "acks": "all",
@@ -418,7 +431,8 @@ def kafka_latency(conn, brokers) -> None:
     record("kafka_latency", rate=rate, seconds=seconds, native=ours, producer=theirs, debezium=debezium)
     print(f"Kafka commit-to-consumer latency at {rate:,} events/s for {seconds} s (as a consumer sees it):")
     print(f"  outbox_ext worker        {said(ours)}   ({ours['n']:,} events; sink suspended "
-          f"{ours['suspensions']} times, {ours['failed']} failed deliveries)")
+          f"{ours['suspensions']} times, {ours['failed']} failed deliveries; {ours['batches']:,} batches, "
+          f"each {ours['batch_ms']:.1f} ms from hand-off to its last report on average)")
     print(f"  plain producer           {said(theirs)}   "
           f"(send to arrival: the broker's and consumer's share)   worker/producer p99 {ours['p99'] / theirs['p99']:.1f}x")
     print(f"  Debezium outbox router   {said(debezium)}   "

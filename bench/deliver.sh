@@ -8,6 +8,8 @@ EVENTS=${1:-200000}
 BACKLOG=${2:-1000000}
 shift 2 || shift $#
 # wal_level logical: the Kafka step runs Debezium beside the native sink
-start_bench_cluster deliver "outbox_ext.databases = 'bench'" "wal_level = logical"
+# metrics on PORT - 1: the Kafka latency step reads how long its batches took (deliver.py)
+start_bench_cluster deliver "outbox_ext.databases = 'bench'" "wal_level = logical" \
+    "outbox_ext.metrics_address = '127.0.0.1:$((PORT - 1))'"
 "$VENV/bin/python" "$(dirname "$0")/deliver.py" "$PORT" "$EVENTS" "$BACKLOG" "$@"
 draw_chart deliver "$TARGET/bench/deliver.json"   # deliver.py writes what it measured there
