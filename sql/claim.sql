@@ -144,7 +144,7 @@ BEGIN
 END
 $$;
 
--- Whether a claim could find anything for the consumer: a shard with parked keys, a window
+-- Whether a claim could find anything for the consumer: a shard with parked keys due, a window
 -- open, a restored cursor, a floor behind a seal, or an event above its floor — what
 -- _free_cursor asks of each shard, asked of all of them read-only, without locking a shard or
 -- taking an xid. False means every shard's _free_cursor would find nothing to read, so a claim with nothing to
@@ -176,7 +176,10 @@ BEGIN
     END IF;
     -- one value for every shard (the lowest floor's): partitions pruned before they are opened
     since := outbox_internal._since((SELECT min(outbox_internal._pending_floor(c)) FROM unnest(curs) c), newest);
-    RETURN EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = _may_have_work.consumer_id)
+    -- a parked key counts once it is due: one waiting for its backoff gives a claim nothing
+    -- to do (its new events, if any, are found by _any_events)
+    RETURN EXISTS (SELECT FROM outbox._parked p
+                    WHERE p.consumer_id = _may_have_work.consumer_id AND p.next_attempt_at <= now())
         OR outbox_internal._any_events(ARRAY(SELECT c.shard FROM unnest(curs) c ORDER BY c.shard),
                                        ARRAY(SELECT outbox_internal._pending_floor(c) FROM unnest(curs) c
                                               ORDER BY c.shard),

@@ -4,7 +4,9 @@
 -- docs/reference), so the hints of the NULL-argument errors point there instead of at the
 -- README (or at the reference index, where the caller is not one function). emit and emit_many
 -- now refuse a read-only transaction (and a standby) with 25006 and a hint before they take an
--- xid; that check is in the library, no SQL changes for it.
+-- xid; that check is in the library, no SQL changes for it. And a claim with nothing to do
+-- while a key is parked but not yet due (waiting for its backoff) is an idle poll again: no
+-- xid, no lock, nothing written (_may_have_work counted every parked key as work).
 --
 -- A delta: what changed from 0.23.0 to 0.24.0, rerunnable.
 
@@ -56,5 +58,42 @@ BEGIN
         RAISE EXCEPTION 'sink "%" does not exist', name
             USING ERRCODE = 'undefined_object', HINT = 'SELECT name FROM outbox.sinks lists them.';
     END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox_internal._may_have_work(consumer_id int) RETURNS boolean
+    LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    one    outbox._cursor_log := outbox_internal._cursor(consumer_id, floor(random() * outbox.shard_count())::int);
+    curs   outbox._cursor_log[];
+    newest outbox._seals;
+    since  timestamptz;
+BEGIN
+    -- first one shard, at random: in a backlog most have a window open (a claim opened it and
+    -- has not read it to its end), and one cursor is cheaper to read than all
+    IF one.hi_snap IS NOT NULL OR one.restored_seq IS NOT NULL THEN
+        RETURN true;
+    END IF;
+    curs := ARRAY(SELECT cur.l FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
+                   CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
+                                        WHERE l.consumer_id = _may_have_work.consumer_id AND l.shard = s.shard
+                                        ORDER BY l.pos DESC LIMIT 1) AS cur);
+    newest := outbox_internal._newest_seal();
+    IF EXISTS (SELECT FROM unnest(curs) c
+                WHERE c.hi_snap IS NOT NULL OR c.restored_seq IS NOT NULL
+                   OR outbox_internal._behind_a_seal(c, newest)) THEN
+        RETURN true;
+    END IF;
+    -- one value for every shard (the lowest floor's): partitions pruned before they are opened
+    since := outbox_internal._since((SELECT min(outbox_internal._pending_floor(c)) FROM unnest(curs) c), newest);
+    -- a parked key counts once it is due: one waiting for its backoff gives a claim nothing
+    -- to do (its new events, if any, are found by _any_events)
+    RETURN EXISTS (SELECT FROM outbox._parked p
+                    WHERE p.consumer_id = _may_have_work.consumer_id AND p.next_attempt_at <= now())
+        OR outbox_internal._any_events(ARRAY(SELECT c.shard FROM unnest(curs) c ORDER BY c.shard),
+                                       ARRAY(SELECT outbox_internal._pending_floor(c) FROM unnest(curs) c
+                                              ORDER BY c.shard),
+                                       since, outbox_internal._reach());
 END
 $$;

@@ -430,6 +430,23 @@ def test_a_claim_with_nothing_to_read_locks_nothing_and_writes_nothing(db, conne
     assert len(connect().execute("SELECT * FROM outbox.claim('sink')").fetchall()) == 1
 
 
+def test_a_parked_key_not_yet_due_leaves_a_poll_idle(db, connect, consumer):
+    """A key parked until later gives a claim nothing to do: the poll takes no xid and writes
+    nothing (until 0.23.0 every poll did, while any key was parked); once the key is due, the
+    next claim hands out its head."""
+    emit(db, "k", 2)
+    relay = Relay(db, consumer, batch_size=100)
+    batch = relay.claim()
+    relay.settle(batch[0].shard, batch[0].epoch, [Relay.failure(batch[0], "503", "1 hour")])
+    cursors = db.execute("SELECT count(*) FROM outbox._cursor_log").fetchone()[0]
+    with db.transaction():
+        assert db.execute("SELECT count(*) FROM outbox.claim('sink')").fetchone()[0] == 0
+        assert db.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None
+    assert db.execute("SELECT count(*) FROM outbox._cursor_log").fetchone()[0] == cursors
+    db.execute("UPDATE outbox._parked SET next_attempt_at = now()")
+    assert [r[0] for r in connect().execute("SELECT id FROM outbox.claim('sink')").fetchall()] == [batch[0].id]
+
+
 def test_relays_write_without_locking_the_consumers_row(db, connect, consumer):
     """Two relays' claims (open at once), settles that park and dead-letter keys, settle_and_claim,
     release_owner and replay write cursor rows and parked keys under the shard rows they hold:
