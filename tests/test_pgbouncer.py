@@ -12,25 +12,18 @@ connections that other clients then get (the last test shows what that does).
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import signal
-import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from support.peers import wait_for
-from support.pgcluster import as_postgres, free_port
+from support.pgbouncer import Bouncer
 from support.relay import Relay, first_deliveries
 
-PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 SERVER_CONNECTIONS = 4   # to the database, for all roles together (max_db_connections)
 POOL_SIZE = 2            # per role (PgBouncer keeps a pool per database and user): 2 roles x 2
 PRODUCERS, PER_PRODUCER, RELAYS, ORDERS = 16, 200, 6, 40
@@ -39,80 +32,9 @@ CONSUMER = "orders-feed"           # the outbox consumer the relays serve
 INBOX = "orders-view"              # the inbox consumer that applies each event once
 
 
-class Bouncer:
-    """A PgBouncer pooling one database; connect() opens a client connection through it."""
-
-    def __init__(self, dbname: str):
-        self.dbname = dbname
-        self.home = Path(tempfile.mkdtemp(prefix="outbox-pgbouncer-"))
-        self.port = free_port()
-
-    def start(self, server_port: int) -> None:
-        (self.home / "userlist.txt").write_text('"producer_user" ""\n"relay_user" ""\n')
-        (self.home / "pgbouncer.ini").write_text(f"""\
-[databases]
-{self.dbname} = host=127.0.0.1 port={server_port} dbname={self.dbname}
-
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = {self.port}
-unix_socket_dir =
-auth_type = trust
-auth_file = {self.home / 'userlist.txt'}
-pool_mode = transaction
-default_pool_size = {POOL_SIZE}
-max_db_connections = {SERVER_CONNECTIONS}
-logfile = {self.home / 'pgbouncer.log'}
-pidfile = {self.home / 'pgbouncer.pid'}
-""")
-        if os.geteuid() == 0:
-            shutil.chown(self.home, "postgres", "postgres")
-        as_postgres(PGBOUNCER, "-d", str(self.home / "pgbouncer.ini"))   # refuses to run as root
-
-        def accepts() -> bool:
-            """PgBouncer accepting connections"""
-            try:
-                self.connect("producer_user").close()
-                return True
-            except psycopg.OperationalError:
-                return False
-
-        wait_for(accepts, timeout=10, every=0.05)
-
-    def connect(self, user: str, autocommit: bool = True, prepare_threshold: int | None = None) -> psycopg.Connection:
-        """prepare_threshold=None: no server-side prepared statements (psycopg's default is 5)."""
-        return psycopg.connect(f"host=127.0.0.1 port={self.port} dbname={self.dbname} user={user}",
-                               autocommit=autocommit, prepare_threshold=prepare_threshold)
-
-    def log(self) -> str:
-        try:
-            return (self.home / "pgbouncer.log").read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        try:
-            pid = int((self.home / "pgbouncer.pid").read_text())
-        except (OSError, ValueError):
-            pid = None
-        if pid:
-            os.kill(pid, signal.SIGTERM)   # immediate shutdown
-
-            def gone() -> bool:
-                """PgBouncer gone"""
-                try:
-                    os.kill(pid, 0)
-                    return False
-                except ProcessLookupError:
-                    return True
-
-            wait_for(gone, timeout=10, every=0.05)
-        shutil.rmtree(self.home, ignore_errors=True)
-
-
 @pytest.fixture
 def bouncer(cluster, dbname):
-    b = Bouncer(dbname)
+    b = Bouncer(dbname, POOL_SIZE, SERVER_CONNECTIONS)
     try:
         b.start(cluster.port)
         yield b
