@@ -6,7 +6,10 @@
 -- now refuse a read-only transaction (and a standby) with 25006 and a hint before they take an
 -- xid; that check is in the library, no SQL changes for it. And a claim with nothing to do
 -- while a key is parked but not yet due (waiting for its backoff) is an idle poll again: no
--- xid, no lock, nothing written (_may_have_work counted every parked key as work).
+-- xid, no lock, nothing written (_may_have_work counted every parked key as work). The worker
+-- claims for a sink only while its row is as the worker last read it (enabled, same
+-- updated_at), in the claim's own statement: a pause committed just after the worker read the
+-- rows no longer lets it claim the events emitted after the pause (library only).
 --
 -- A delta: what changed from 0.23.0 to 0.24.0, rerunnable.
 

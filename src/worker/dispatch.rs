@@ -273,10 +273,11 @@ impl Delivery {
                     true => PROBE_EVENTS.min(sink.batch_limit),
                     false => sink.batch_limit,
                 };
-                match queries::claim(config, limit, lease(config)) {
+                match queries::claim(config, &sink.stamp, limit, lease(config)) {
                     Ok(Some(batch)) => {
                         if probe {
-                            let lone = one_key(&batch) && nothing_else_to_claim(config);
+                            let lone =
+                                one_key(&batch) && nothing_else_to_claim(config, &sink.stamp);
                             sink.health.probe_sent(&batch, lone);
                         } else {
                             sink.batch_limit = batch_limit(config.batch_size, &batch.events);
@@ -341,6 +342,7 @@ impl Delivery {
                     &done.batch,
                     verdicts,
                     config,
+                    &sink.stamp,
                     sink.batch_limit,
                     lease(config),
                 )
@@ -496,8 +498,8 @@ fn one_key(batch: &Batch) -> bool {
 
 /// Whether the sink has nothing to claim but the probe it holds (a second claim cannot take
 /// the probe's shard, leased, and finds nothing). What it finds is given back at once.
-fn nothing_else_to_claim(config: &Config) -> bool {
-    match queries::claim(config, 1, lease(config)) {
+fn nothing_else_to_claim(config: &Config, stamp: &str) -> bool {
+    match queries::claim(config, stamp, 1, lease(config)) {
         Ok(None) => true,
         Ok(Some(other)) => {
             let back = Judgement::GiveBack {

@@ -155,17 +155,38 @@ const CLAIMED: &str = "c.shard, c.epoch, c.id::text, c.topic, c.aggregate_type, 
      c.event_type, c.payload::text, c.headers::text,
      pg_catalog.btrim(pg_catalog.to_json(c.created_at)::text, '\"'), c.attempt";
 
+/// The sink row as the worker last read it: still enabled, its `updated_at` (the stamp, bound
+/// as `$stamp`) unchanged. A claim joins it, so that once a pause or a change commits no claim
+/// made after hands out a batch for the old settings; the worker rereads the row at once (the
+/// commit wakes it), and only a claim already running as the change commits goes ahead. The
+/// condition on `outbox.sinks s`: the sink's name is parameter $1, the stamp parameter number `stamp`.
+fn sink_as_read(stamp: usize) -> String {
+    format!(
+        "s.name OPERATOR(pg_catalog.=) $1 AND s.enabled
+            AND s.updated_at::text OPERATOR(pg_catalog.=) ${stamp}"
+    )
+}
+
 /// Claims the next batch (at most batch_size events) of one shard of the sink, or None when no
-/// shard has work.
-pub fn claim(config: &Config, batch_size: i32, lease: Duration) -> Result<Option<Batch>, String> {
+/// shard has work or the sink's row is no longer as read (`stamp`).
+pub fn claim(
+    config: &Config,
+    stamp: &str,
+    batch_size: i32,
+    lease: Duration,
+) -> Result<Option<Batch>, String> {
     in_transaction(|| {
         // select, not update: pgrx's update takes an xid first, and a claim must come before
-        // its transaction's first write (see sql/claim.sql)
+        // its transaction's first write (see sql/claim.sql); lateral on the sink's row, the
+        // claim runs only if the row is as read
         Spi::connect(|client| {
             let rows = client.select(
                 &format!(
                     "SELECT {CLAIMED}
-                       FROM outbox.claim($1, $2, pg_catalog.make_interval(secs => $3), $4) AS c"
+                       FROM outbox.sinks s
+                      CROSS JOIN LATERAL outbox.claim(s.name, $2, pg_catalog.make_interval(secs => $3), $4) AS c
+                      WHERE {}",
+                    sink_as_read(5)
                 ),
                 None,
                 &[
@@ -173,6 +194,7 @@ pub fn claim(config: &Config, batch_size: i32, lease: Duration) -> Result<Option
                     batch_size.into(),
                     lease.as_secs_f64().into(),
                     OWNER.into(),
+                    stamp.into(),
                 ],
             )?;
             Ok::<_, pgrx::spi::Error>(read_batch(&config.name, lease, rows))
@@ -182,17 +204,31 @@ pub fn claim(config: &Config, batch_size: i32, lease: Duration) -> Result<Option
 }
 
 /// Settles a finished batch and claims the sink's next one, in one call and one transaction
-/// (outbox.settle_and_claim): half the worker's transactions while a sink keeps up.
+/// (outbox.settle_and_claim): half the worker's transactions while a sink keeps up. Settled
+/// alone when the sink's row is no longer as read (`stamp`).
 pub fn settle_and_claim(
     batch: &Batch,
     verdicts: &[Verdict],
     config: &Config,
+    stamp: &str,
     batch_size: i32,
     lease: Duration,
 ) -> Result<(Settled, Option<Batch>), String> {
     in_transaction(|| {
-        Spi::connect(|client| {
+        Spi::connect_mut(|client| {
             let (failures, settled) = failures(batch, verdicts);
+            let as_read = client
+                .select(
+                    &format!("SELECT 1 FROM outbox.sinks s WHERE {}", sink_as_read(2)),
+                    None,
+                    &[batch.sink.as_str().into(), stamp.into()],
+                )?
+                .len()
+                == 1;
+            if !as_read {
+                settle_only(client, batch, failures)?;
+                return Ok((settled, None));
+            }
             let rows = client.select(
                 &format!(
                     "SELECT {CLAIMED}
@@ -326,21 +362,30 @@ pub fn settle(batch: &Batch, judgement: &Judgement) -> Result<Settled, String> {
             }
             Judgement::Settle(verdicts) => {
                 let (failures, settled) = failures(batch, verdicts);
-                client.update(
-                    "SELECT outbox.settle($1, $2, $3, $4::jsonb)",
-                    None,
-                    &[
-                        batch.sink.as_str().into(),
-                        batch.shard.into(),
-                        batch.epoch.into(),
-                        failures.into(),
-                    ],
-                )?;
+                settle_only(client, batch, failures)?;
                 Ok(settled)
             }
         })
     })?
     .map_err(|e: pgrx::spi::Error| e.to_string())
+}
+
+fn settle_only(
+    client: &mut pgrx::spi::SpiClient,
+    batch: &Batch,
+    failures: String,
+) -> Result<(), pgrx::spi::Error> {
+    client.update(
+        "SELECT outbox.settle($1, $2, $3, $4::jsonb)",
+        None,
+        &[
+            batch.sink.as_str().into(),
+            batch.shard.into(),
+            batch.epoch.into(),
+            failures.into(),
+        ],
+    )?;
+    Ok(())
 }
 
 /// settle's failures (as JSON) from a batch's verdicts, with the figures they make. A sink
