@@ -20,6 +20,7 @@ Usage: deliver.py PORT EVENTS BACKLOG [steps: throughput latency rss kafka rss_k
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 import subprocess
@@ -543,8 +544,10 @@ def latency(conn) -> None:
     receiver = Counter(track_ids=True)
     conn.execute("SELECT outbox.create_sink('lat', 'webhook', %s)", (receiver.url,))
     time.sleep(1.5)
-    ours = percentiles(receiver, paced(rate, seconds, lambda i: conn.execute(
-        "SELECT outbox.emit('order', %s, 'order.created', '{\"n\": 1}')::text", (str(i % 100),)).fetchone()[0]))
+    committed = paced(rate, seconds, lambda i: conn.execute(
+        "SELECT outbox.emit('order', %s, 'order.created', '{\"n\": 1}')::text", (str(i % 100),)).fetchone()[0])
+    ours = percentiles(receiver, committed)
+    parts = where_the_time_goes(conn, "lat", committed, receiver.arrivals())
     conn.execute("SELECT outbox.drop_sink('lat')")
     conn.execute("CREATE TABLE IF NOT EXISTS plain_outbox (id bigserial PRIMARY KEY, aggregate_id text, "
                  "event_type text, payload jsonb, created_at timestamptz DEFAULT now())")
@@ -559,11 +562,63 @@ def latency(conn) -> None:
     stop.set()
     relay.join()
     receiver.close()
-    record("http_latency", rate=rate, seconds=seconds, worker=ours, polling_relay=theirs)
+    record("http_latency", rate=rate, seconds=seconds, worker=ours, polling_relay=theirs, worker_parts=parts)
     print(f"Commit-to-sink latency at {rate:,} events/s for {seconds} s:")
     print(f"  outbox_ext worker        {said(ours)}   ({ours['n']:,} events)")
     print(f"  100 ms polling relay     {said(theirs)}   "
           f"relay/worker p50 {theirs['p50'] / ours['p50']:.1f}x, p99 {theirs['p99'] / ours['p99']:.1f}x")
+    print("  the worker's time, commit -> claim (wake-up, waiting for a free slot or a round) and "
+          "claim -> arrival (hand-off, HTTP, receiver):")
+    for part in ("to_claim", "to_arrival"):
+        print(f"    {part:<12} all events p50 {parts[part]['p50']:5.1f} ms  p99 {parts[part]['p99']:5.1f} ms;  "
+              f"the slowest 1%: median {parts['tail_' + part]:5.1f} ms")
+    print(f"    the slowest 1% fall in {parts['tail_bursts']} bursts (events within 50 ms of each other); "
+          f"{parts['batches']:,} batches for {parts['n']:,} events, each out {parts['batch_out_ms']:.1f} ms "
+          "(median, claim to settle)")
+
+
+def where_the_time_goes(conn, sink: str, committed: dict[str, float], arrivals: dict[str, float]) -> dict:
+    """Splits each event's commit-to-arrival time at the claim that handed it out: the first
+    claim row of its shard in the sink's cursor log (kept a minute) whose batch ends at or
+    after its seq (the events here commit one at a time, so seq order is commit order); `at`
+    is the start of the claim's transaction. And how bunched the slowest 1% are in time (a
+    few bursts point at a stall of the worker's loop, many at queueing), how many batches
+    carried the events and how long each was out: with its delivery slots full, an event
+    waits for one to free."""
+    claims: dict[int, list[tuple[int, float]]] = {}
+    out_for: list[float] = []   # claim to the shard's next row (its settle), ms
+    last_claim: dict[int, float] = {}
+    for shard, batch_end, at in conn.execute(
+            "SELECT l.shard, l.batch_end, extract(epoch FROM l.at)::float8 FROM outbox._cursor_log l "
+            "WHERE l.consumer_id = (SELECT c.id FROM outbox.consumers c WHERE c.name = %s) "
+            "ORDER BY l.pos", (sink,)):
+        if shard in last_claim:
+            out_for.append((at - last_claim.pop(shard)) * 1000)
+        if batch_end is not None:
+            claims.setdefault(shard, []).append((batch_end, at))
+            last_claim[shard] = at
+    ends = {shard: [end for end, _ in rows] for shard, rows in claims.items()}
+    to_claim, to_arrival, total = [], [], []
+    for event_id, shard, seq in conn.execute(
+            "SELECT e.id::text, e.shard, e.seq FROM outbox.events e WHERE e.id = ANY(%s::uuid[])",
+            (list(committed),)):
+        rows = claims.get(shard, [])
+        i = bisect.bisect_left(ends.get(shard, []), seq)
+        if i == len(rows) or event_id not in arrivals:
+            continue
+        at, commit, arrival = rows[i][1], committed[event_id], arrivals[event_id]
+        to_claim.append((at - commit) * 1000)
+        to_arrival.append((arrival - at) * 1000)
+        total.append(((arrival - commit) * 1000, commit, len(total)))
+    slowest = sorted(total, reverse=True)[:max(1, len(total) // 100)]
+    commits = sorted(commit for _, commit, _ in slowest)
+    bursts = 1 + sum(1 for a, b in zip(commits, commits[1:]) if b - a > 0.05)
+    return {"to_claim": summary(to_claim), "to_arrival": summary(to_arrival),
+            "tail_to_claim": statistics.median(to_claim[i] for _, _, i in slowest),
+            "tail_to_arrival": statistics.median(to_arrival[i] for _, _, i in slowest),
+            "tail_bursts": bursts, "n": len(total),
+            "batches": sum(len(rows) for rows in claims.values()),
+            "batch_out_ms": statistics.median(out_for) if out_for else None}
 
 
 def rss(conn) -> None:
