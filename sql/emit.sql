@@ -35,7 +35,7 @@ CREATE OR REPLACE FUNCTION outbox.emit_many(
 AS $$
 DECLARE
     ids uuid[];
-    tx  xid8 := pg_current_xact_id();  -- before any seq is taken: see events.seq
+    tx  xid8;
 BEGIN
     IF aggregate_ids IS NULL OR payloads IS NULL THEN
         RAISE EXCEPTION 'aggregate_ids and payloads must not be NULL'
@@ -54,6 +54,9 @@ BEGIN
     IF ids IS NULL THEN
         ids := outbox_internal._batch_ids(aggregate_type, event_type, headers, topic, aggregate_ids,
                                  (SELECT max(pg_column_size(p)) FROM unnest(payloads) AS p));
+        -- after the checks (a read-only transaction is refused before it takes an xid), before
+        -- any seq is taken: see events.seq
+        tx := pg_current_xact_id();
         INSERT INTO outbox.events
             (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, txid, shard)
         SELECT u.id, emit_many.topic, emit_many.aggregate_type, u.key, emit_many.event_type,

@@ -4,10 +4,12 @@
 -- docs/reference), so the hints of the NULL-argument errors point there instead of at the
 -- README (or at the reference index, where the caller is not one function). emit and emit_many
 -- now refuse a read-only transaction (and a standby) with 25006 and a hint before they take an
--- xid; that check is in the library, no SQL changes for it. And a claim with nothing to do
+-- xid; the check is in the library, and emit_many takes its xid only where it inserts with SQL,
+-- after the checks (it took it first: a read-only transaction was refused only after an xid,
+-- and a standby with PostgreSQL's own 25006, no hint, before ours). A claim with nothing to do
 -- while a key is parked but not yet due (waiting for its backoff) is an idle poll again: no
--- xid, no lock, nothing written (_may_have_work counted every parked key as work). The worker
--- claims for a sink only while its row is as the worker last read it (enabled, same
+-- xid, no lock, nothing written (_may_have_work counted every parked key as work). And the
+-- worker claims for a sink only while its row is as the worker last read it (enabled, the same
 -- updated_at), in the claim's own statement: a pause committed just after the worker read the
 -- rows no longer lets it claim the events emitted after the pause (library only).
 --
@@ -98,5 +100,50 @@ BEGIN
                                        ARRAY(SELECT outbox_internal._pending_floor(c) FROM unnest(curs) c
                                               ORDER BY c.shard),
                                        since, outbox_internal._reach());
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox.emit_many(
+    aggregate_type text,
+    event_type     text,
+    aggregate_ids  text[],
+    payloads       jsonb[],
+    headers        jsonb DEFAULT NULL,
+    topic          text  DEFAULT NULL
+) RETURNS SETOF uuid
+    LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    ids uuid[];
+    tx  xid8;
+BEGIN
+    IF aggregate_ids IS NULL OR payloads IS NULL THEN
+        RAISE EXCEPTION 'aggregate_ids and payloads must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass one aggregate id and one payload per event, as arrays.';
+    END IF;
+    IF cardinality(aggregate_ids) <> cardinality(payloads) THEN
+        RAISE EXCEPTION 'aggregate_ids has % elements but payloads has %',
+                cardinality(aggregate_ids), cardinality(payloads)
+            USING ERRCODE = 'array_subscript_error',
+                  HINT = 'Pass one payload per aggregate id, in the same order.';
+    END IF;
+    -- Natively, as COPY writes (see src/emit/insert.rs); NULL when the table needs a plain
+    -- INSERT (triggers, constraints, no partition for now()).
+    ids := outbox_internal._insert_many(aggregate_type, event_type, headers, topic, aggregate_ids, payloads);
+    IF ids IS NULL THEN
+        ids := outbox_internal._batch_ids(aggregate_type, event_type, headers, topic, aggregate_ids,
+                                 (SELECT max(pg_column_size(p)) FROM unnest(payloads) AS p));
+        -- after the checks (a read-only transaction is refused before it takes an xid), before
+        -- any seq is taken: see events.seq
+        tx := pg_current_xact_id();
+        INSERT INTO outbox.events
+            (id, topic, aggregate_type, aggregate_id, event_type, payload, headers, txid, shard)
+        SELECT u.id, emit_many.topic, emit_many.aggregate_type, u.key, emit_many.event_type,
+               u.payload, emit_many.headers, tx, outbox.shard_of(u.key)
+        FROM unnest(ids, aggregate_ids, payloads) AS u(id, key, payload);
+    END IF;
+    RETURN QUERY SELECT unnest(ids);
 END
 $$;

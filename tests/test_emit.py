@@ -241,11 +241,15 @@ def test_payload_limit_follows_the_guc(db):
     "SELECT count(*) FROM outbox.emit_many('a', 'e', ARRAY['1', '2'], ARRAY['{}', '{}']::jsonb[])"])
 def test_a_read_only_transaction_cannot_emit(db, call):
     """emit writes its row itself, not through the executor: it must refuse a read-only
-    transaction as an INSERT would (a standby's is one too, tests/test_faults.py)."""
-    with pytest.raises(psycopg.errors.ReadOnlySqlTransaction) as err:
-        with db.transaction():
-            db.execute("SET TRANSACTION READ ONLY")
-            db.execute(call)
+    transaction as an INSERT would (a standby's is one too, tests/test_faults.py), before it
+    takes a transaction id (a standby has none to give)."""
+    with db.transaction():
+        db.execute("SET TRANSACTION READ ONLY")
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction) as err:
+            with db.transaction():                                  # a savepoint
+                db.execute(call)
+        # an xid taken inside the savepoint would have given the transaction one too
+        assert db.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None
     assert err.value.diag.message_hint
     assert count_events(db) == 0
 

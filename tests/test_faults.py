@@ -283,8 +283,11 @@ def test_a_standby_does_not_deliver_and_takes_over_when_promoted(faulty):
             wait_for(lambda: conn.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn,)).fetchone()[0])
             assert conn.execute("SELECT count(*) FROM pg_stat_activity "
                                 "WHERE backend_type LIKE 'outbox_ext%%'").fetchone()[0] == 0, "idle on a standby"
-            with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):   # not XX000
-                conn.execute("SELECT outbox.emit('order', 'x', 'e', '{}')")
+            for call in ("SELECT outbox.emit('order', 'x', 'e', '{}')",
+                         "SELECT outbox.emit_many('order', 'e', ARRAY['x'], ARRAY['{}'::jsonb])"):
+                with pytest.raises(psycopg.errors.ReadOnlySqlTransaction) as err:   # not XX000
+                    conn.execute(call)
+                assert err.value.diag.message_hint, "ours, not PostgreSQL's own"
         faulty.stop("immediate")                                # the primary fails
         as_postgres(str(standby.bindir / "pg_ctl"), "-D", str(standby.datadir), "-w", "promote")
         receiver = Receiver(port=port)                          # the sink is back
