@@ -43,9 +43,10 @@ pub const MAX_TYPE_BYTES: usize = 255;
 /// that checks: otherwise the sequence refused it only after the xid (no hint), and on a
 /// standby the xid itself failed, with XX000.
 fn writable() -> Result<(), OutboxError> {
-    // SAFETY: reads backend globals, in a transaction.
-    let (read_only, standby) = unsafe { (pg_sys::XactReadOnly, pg_sys::RecoveryInProgress()) };
-    if read_only || standby {
+    // SAFETY: reads backend globals, in a transaction. A standby's transactions are all read
+    // only (PostgreSQL starts them so), so recovery is asked about only to word the error.
+    if unsafe { pg_sys::XactReadOnly } {
+        let standby = unsafe { pg_sys::RecoveryInProgress() };
         return Err(OutboxError::ReadOnly { standby });
     }
     Ok(())
