@@ -581,7 +581,8 @@ def where_the_time_goes(conn, sink: str, committed: dict[str, float], arrivals: 
     """Splits each event's commit-to-arrival time at the claim that handed it out: the first
     claim row of its shard in the sink's cursor log (kept a minute) whose batch ends at or
     after its seq (the events here commit one at a time, so seq order is commit order); `at`
-    is the start of the claim's transaction. And how bunched the slowest 1% are in time (a
+    is the start of the claim's transaction. (Sound here, a healthy sink: a lease that ran out, a
+    release or a parked key would pair rows otherwise.) And how bunched the slowest 1% are in time (a
     few bursts point at a stall of the worker's loop, many at queueing), how many batches
     carried the events and how long each was out: with its delivery slots full, an event
     waits for one to free."""
@@ -610,6 +611,8 @@ def where_the_time_goes(conn, sink: str, committed: dict[str, float], arrivals: 
         to_claim.append((at - commit) * 1000)
         to_arrival.append((arrival - at) * 1000)
         total.append(((arrival - commit) * 1000, commit, len(total)))
+    if not total:
+        raise SystemExit("latency: no event could be matched to its claim in the cursor log")
     slowest = sorted(total, reverse=True)[:max(1, len(total) // 100)]
     commits = sorted(commit for _, commit, _ in slowest)
     bursts = 1 + sum(1 for a, b in zip(commits, commits[1:]) if b - a > 0.05)

@@ -10,7 +10,7 @@
 -- while a key is parked but not yet due (waiting for its backoff) is an idle poll again: no
 -- xid, no lock, nothing written (_may_have_work counted every parked key as work). And the
 -- worker claims for a sink only while its row is as the worker last read it (enabled, the same
--- updated_at), in the claim's own statement: a pause committed just after the worker read the
+-- updated_at), in the claim's own transaction: a pause committed just after the worker read the
 -- rows no longer lets it claim the events emitted after the pause (library only).
 --
 -- A delta: what changed from 0.23.0 to 0.24.0, rerunnable.

@@ -177,8 +177,10 @@ pub fn claim(
 ) -> Result<Option<Batch>, String> {
     in_transaction(|| {
         // select, not update: pgrx's update takes an xid first, and a claim must come before
-        // its transaction's first write (see sql/claim.sql); lateral on the sink's row, the
-        // claim runs only if the row is as read
+        // its transaction's first write (see sql/claim.sql). Lateral on the sink's row, the
+        // claim runs only if the row is as read; never filter its rows after it instead (an
+        // outer join, a condition on c): a claim whose rows are dropped keeps its shard leased
+        // until the lease ends
         Spi::connect(|client| {
             let rows = client.select(
                 &format!(
