@@ -88,7 +88,8 @@ $$;
 
 -- A claim's arguments, and that its transaction has not written yet (its bound must come first,
 -- even when it finds nothing: the rule does not depend on the backlog).
-CREATE OR REPLACE FUNCTION outbox_internal._check_claim(batch_size int, lease interval, func text) RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._check_claim(batch_size int, lease interval, shards int, func text)
+RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
@@ -100,9 +101,15 @@ BEGIN
     PERFORM outbox_internal._not_null(batch_size IS NULL, 'batch_size', func);
     PERFORM outbox_internal._not_null(lease IS NULL, 'lease', func);
     PERFORM outbox_internal._check_interval(lease, 'lease', '1 day', false);
+    PERFORM outbox_internal._not_null(shards IS NULL, 'shards', func);
     IF batch_size < 1 OR batch_size > 100000 THEN
         RAISE EXCEPTION 'batch_size % is out of range', batch_size
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass 1 to 100000.';
+    END IF;
+    IF shards < 1 THEN
+        RAISE EXCEPTION 'shards % is out of range', shards
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass 1 or more: the most shards whose batches one call hands out.';
     END IF;
 END
 $$;
@@ -144,46 +151,60 @@ BEGIN
 END
 $$;
 
--- Whether a claim could find anything for the consumer: a shard with parked keys due, a window
--- open, a restored cursor, a floor behind a seal, or an event above its floor — what
--- _free_cursor asks of each shard, asked of all of them read-only, without locking a shard or
--- taking an xid. False means every shard's _free_cursor would find nothing to read, so a claim with nothing to
--- do (an idle relay's poll) stops here and writes nothing: no row lock, no mark, no commit
--- record. True may still find nothing (a lease, a lock, events not yet committed).
-CREATE OR REPLACE FUNCTION outbox_internal._may_have_work(consumer_id int) RETURNS boolean
+-- The shards where a claim may find something for the consumer, in order: those with parked
+-- keys due, a window open, a restored cursor, a floor behind a seal, or an event above their
+-- floor — what _free_cursor asks of each shard, asked of all of them read-only, without
+-- locking a shard or taking an xid. NULL: every shard (one picked at random has a window open,
+-- as most have in a backlog, where reading every cursor would cost more than it saves). Empty:
+-- no shard, so a claim with nothing to do (an idle relay's poll) stops here and writes
+-- nothing: no row lock, no mark, no commit record. A shard listed may still give nothing (a
+-- lease, a lock, events not yet committed). Listed, a claim of a sparse stream tries the one
+-- shard that has events instead of every shard in turn (#38: about half of such a claim).
+CREATE OR REPLACE FUNCTION outbox_internal._shards_with_work(consumer_id int) RETURNS int[]
     LANGUAGE plpgsql STABLE
 AS $$
 DECLARE
     one    outbox._cursor_log := outbox_internal._cursor(consumer_id, floor(random() * outbox.shard_count())::int);
-    curs   outbox._cursor_log[];
     newest outbox._seals;
-    since  timestamptz;
+    listed int[];    -- shards with a window open, restored, or behind a seal
+    shards int[];    -- every shard, in order
+    floors bigint[]; -- and its floor
+    due    int[] := '{}';
 BEGIN
-    -- first one shard, at random: in a backlog most have a window open (a claim opened it and
-    -- has not read it to its end), and one cursor is cheaper to read than all
     IF one.hi_snap IS NOT NULL OR one.restored_seq IS NOT NULL THEN
-        RETURN true;
+        RETURN NULL;
     END IF;
-    curs := ARRAY(SELECT cur.l FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
-                   CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
-                                        WHERE l.consumer_id = _may_have_work.consumer_id AND l.shard = s.shard
-                                        ORDER BY l.pos DESC LIMIT 1) AS cur);
     newest := outbox_internal._newest_seal();
-    IF EXISTS (SELECT FROM unnest(curs) c
-                WHERE c.hi_snap IS NOT NULL OR c.restored_seq IS NOT NULL
-                   OR outbox_internal._behind_a_seal(c, newest)) THEN
-        RETURN true;
-    END IF;
-    -- one value for every shard (the lowest floor's): partitions pruned before they are opened
-    since := outbox_internal._since((SELECT min(outbox_internal._pending_floor(c)) FROM unnest(curs) c), newest);
+    -- each shard's newest cursor row read once, into plain arrays (an array of cursor rows,
+    -- read again for each question, cost as much as the reads)
+    SELECT array_agg(s.shard ORDER BY s.shard)
+               FILTER (WHERE (cur.l).hi_snap IS NOT NULL OR (cur.l).restored_seq IS NOT NULL
+                          OR outbox_internal._behind_a_seal(cur.l, newest)),
+           array_agg(s.shard ORDER BY s.shard),
+           array_agg(outbox_internal._pending_floor(cur.l) ORDER BY s.shard)
+      INTO listed, shards, floors
+      FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
+     CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
+                          WHERE l.consumer_id = _shards_with_work.consumer_id AND l.shard = s.shard
+                          ORDER BY l.pos DESC LIMIT 1) AS cur(l);
     -- a parked key counts once it is due: one waiting for its backoff gives a claim nothing
-    -- to do (its new events, if any, are found by _any_events)
-    RETURN EXISTS (SELECT FROM outbox._parked p
-                    WHERE p.consumer_id = _may_have_work.consumer_id AND p.next_attempt_at <= now())
-        OR outbox_internal._any_events(ARRAY(SELECT c.shard FROM unnest(curs) c ORDER BY c.shard),
-                                       ARRAY(SELECT outbox_internal._pending_floor(c) FROM unnest(curs) c
-                                              ORDER BY c.shard),
-                                       since, outbox_internal._reach());
+    -- to do (its new events, if any, are found with the shard's); each shard probed once, only
+    -- when some key is due
+    IF EXISTS (SELECT FROM outbox._parked p
+                WHERE p.consumer_id = _shards_with_work.consumer_id AND p.next_attempt_at <= now()) THEN
+        due := ARRAY(SELECT s FROM unnest(shards) AS s
+                      WHERE EXISTS (SELECT FROM outbox._parked p
+                                     WHERE p.consumer_id = _shards_with_work.consumer_id AND p.shard = s
+                                       AND p.next_attempt_at <= now()));
+    END IF;
+    -- one since for every shard (the lowest floor's): partitions pruned before they are opened
+    RETURN ARRAY(SELECT DISTINCT s
+                   FROM unnest(coalesce(listed, '{}') || due
+                               || outbox_internal._shards_with_new_events(
+                                      shards, floors,
+                                      outbox_internal._since((SELECT min(f) FROM unnest(floors) AS f), newest),
+                                      outbox_internal._reach())) AS s
+                  ORDER BY s);
 END
 $$;
 
@@ -205,16 +226,19 @@ BEGIN
 END
 $$;
 
--- Claim one free shard's next batch (shards tried from a random one on): its events in commit
--- order, handed out by _claim_page, which also writes the claim row; or, when the shard has
--- parked keys, the rows of _claim_parked, returned. Nothing when no shard has work.
+-- Claim the next batch of at most `batches` free shards of those listed (_shards_with_work;
+-- NULL: all), tried from a random one on: each shard's events in commit order, handed out by
+-- _claim_page, which also writes the shard's claim row; or, when a shard has parked keys, the
+-- rows of _claim_parked, returned. Each shard its own batch and epoch; the windows opened all
+-- close at the transaction's one bound (seq_mark, x). Nothing when no shard has work.
 CREATE OR REPLACE FUNCTION outbox_internal._claim(c outbox.consumers, batch_size int, lease interval,
-                                         owner text, seq_mark bigint, x xid8)
+                                         owner text, seq_mark bigint, x xid8, shards int[], batches int)
 RETURNS SETOF outbox.claimed
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    n      int := outbox.shard_count();
+    tried  int[] := coalesce(shards, ARRAY(SELECT generate_series(0, outbox.shard_count() - 1)));
+    n      int := cardinality(tried);
     start  int := floor(random() * n)::int;
     newest outbox._seals := outbox_internal._newest_seal();  -- read once: see _since
     until  timestamptz := outbox_internal._reach();  -- for the probes; a window reads it again
@@ -224,11 +248,13 @@ DECLARE
     fresh  boolean;
     stale  boolean;
     since  timestamptz;
-    got    bigint := 0;
+    got    bigint;
+    taken  int := 0;
 BEGIN
     FOR i IN 0 .. n - 1 LOOP
-        free := outbox_internal._free_cursor(c.id, (start + i) % n, newest, until);
+        free := outbox_internal._free_cursor(c.id, tried[(start + i) % n + 1], newest, until);
         CONTINUE WHEN free.cur IS NULL;
+        got := 0;
         cur := free.cur;
         stale := cur.hi_snap IS NOT NULL;  -- a window open, perhaps read to its end already
         IF free.parked THEN
@@ -247,7 +273,7 @@ BEGIN
                 -- nothing new since the last window: record the empty window as read when
                 -- that raises the floor, so the next claim's probe starts above it; when the
                 -- claim began in a window that held nothing more (else every poll would read
-                -- it to its end again, and _may_have_work would never say no); or when the
+                -- it to its end again, and _shards_with_work would never say none); or when the
                 -- shard was read for a seal (once per seal)
                 next := outbox_internal._advance(cur, NULL, true);
                 IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) OR stale
@@ -258,7 +284,10 @@ BEGIN
             END IF;
             cur := outbox_internal._next_window(cur);
         END LOOP; END IF;
-        EXIT WHEN got > 0;
+        IF got > 0 THEN
+            taken := taken + 1;
+            EXIT WHEN taken >= batches;
+        END IF;
     END LOOP;
 END
 $$;
@@ -362,25 +391,29 @@ CREATE OR REPLACE FUNCTION outbox_internal._claim_body(
     consumer   text,
     batch_size int,
     lease      interval,
-    owner      text
+    owner      text,
+    shards     int
 ) RETURNS SETOF outbox.claimed
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
     rebased boolean := outbox_internal._rebase_if_restored();  -- first: it may write
     c       outbox.consumers := outbox_internal._consumer(consumer);
+    working int[];
     b       record;
 BEGIN
     IF rebased THEN
         RETURN;  -- this transaction rebased a restored database (it wrote): claim in the next
     END IF;
-    PERFORM outbox_internal._check_claim(batch_size, lease, 'outbox.claim');
-    IF NOT outbox_internal._may_have_work(c.id) THEN
+    PERFORM outbox_internal._check_claim(batch_size, lease, shards, 'outbox.claim');
+    working := outbox_internal._shards_with_work(c.id);
+    IF cardinality(working) = 0 THEN
         RETURN;  -- nothing to read: no bound taken, nothing written
     END IF;
     b := outbox_internal._claim_bound();
     RETURN QUERY SELECT * FROM outbox_internal._claim(c, batch_size, lease,
-                                             coalesce(owner, 'backend ' || pg_backend_pid()), b.seq, b.x);
+                                             coalesce(owner, 'backend ' || pg_backend_pid()), b.seq, b.x,
+                                             working, shards);
 END
 $$;
 
@@ -391,16 +424,17 @@ CREATE OR REPLACE FUNCTION outbox.claim(
     consumer   text,
     batch_size int      DEFAULT 100,
     lease      interval DEFAULT '30 seconds',
-    owner      text     DEFAULT NULL
+    owner      text     DEFAULT NULL,
+    shards     int      DEFAULT 1
 ) RETURNS SETOF outbox.claimed
     LANGUAGE c VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS 'MODULE_PATHNAME', 'outbox_claim';
 
-COMMENT ON FUNCTION outbox.claim(text, int, interval, text) IS
-    'Takes one free shard under a lease and returns its next events in commit order (at most '
-    'batch_size, plus at most batch_size events of its parked keys due for retry); nothing when '
-    'no shard has work. '
+COMMENT ON FUNCTION outbox.claim(text, int, interval, text, int) IS
+    'Takes a free shard (at most shards of them) under a lease and returns its next events in '
+    'commit order (at most batch_size, plus at most batch_size events of its parked keys due '
+    'for retry), each shard a batch with its own epoch; nothing when no shard has work. '
     'Example: SELECT * FROM outbox.claim(''billing-webhook'', 100, ''30 seconds'');';
 
 CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint,

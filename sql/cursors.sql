@@ -176,7 +176,7 @@ $$;
 -- The top of a bound taken with snapshot snap after xid x: every xid below it was finished or
 -- in progress then, every xid from it on was assigned after the bound's seq was read.
 CREATE OR REPLACE FUNCTION outbox_internal._top(snap pg_snapshot, x xid8) RETURNS xid8
-    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE  -- not STRICT, so that callers inline it (greatest is not)
     RETURN greatest(pg_catalog.pg_snapshot_xmax(snap), (x::text::bigint + 1)::text::xid8);
 
 -- Transactions of lo's in-progress list that the cursor's hi sees finished, with the lowest
@@ -507,6 +507,13 @@ CREATE OR REPLACE FUNCTION outbox_internal._any_events(shards int[], floors bigi
                                                       since timestamptz, until timestamptz)
 RETURNS boolean
     LANGUAGE c STABLE STRICT AS 'MODULE_PATHNAME', 'outbox_any_events';
+
+-- The shards among shards that have an event above their floor (_shards_with_events), in
+-- order; NULL when none has.
+CREATE OR REPLACE FUNCTION outbox_internal._shards_with_new_events(shards int[], floors bigint[],
+                                                                  since timestamptz, until timestamptz)
+RETURNS int[]
+    LANGUAGE c STABLE STRICT AS 'MODULE_PATHNAME', 'outbox_shards_with_new_events';
 
 -- The least and greatest of _late_seqs, NULLs when there are none.
 CREATE OR REPLACE FUNCTION outbox_internal._late_range(shard int, floor_seq bigint, seq_end bigint, txids xid8[],

@@ -73,9 +73,9 @@ GRANT SELECT ON outbox.events, outbox.status, outbox.shard_status TO outbox_rela
 GRANT EXECUTE ON FUNCTION outbox_internal._shard_pending(outbox._cursor_log, outbox.sinks)
     TO outbox_relay, outbox_admin;
 GRANT EXECUTE ON FUNCTION
-    outbox.claim(text, int, interval, text),
+    outbox.claim(text, int, interval, text, int),
     outbox.settle(text, int, bigint, jsonb),
-    outbox.settle_and_claim(text, int, bigint, jsonb, int, interval, text),
+    outbox.settle_and_claim(text, int, bigint, jsonb, int, interval, text, int),
     outbox.ack(text, int, bigint),
     outbox.nack(text, int, bigint, uuid, text, interval),
     outbox.reject(text, int, bigint, uuid, text),

@@ -354,7 +354,8 @@ CREATE OR REPLACE FUNCTION outbox_internal._settle_and_claim_body(
     failures   jsonb,
     batch_size int,
     lease      interval,
-    owner      text
+    owner      text,
+    shards     int
 ) RETURNS SETOF outbox.claimed
     LANGUAGE plpgsql VOLATILE
 AS $$
@@ -362,18 +363,23 @@ DECLARE
     rebased boolean := outbox_internal._rebase_if_restored();  -- first: it may write
     c       outbox.consumers := outbox_internal._consumer(consumer);
     list    outbox_internal._failure[];
+    working int[];
     b       record;
 BEGIN
     PERFORM outbox_internal._not_null(failures IS NULL, 'failures', 'outbox.settle_and_claim');
     list := outbox_internal._failures(failures);
-    PERFORM outbox_internal._check_claim(batch_size, lease, 'outbox.settle_and_claim');
+    PERFORM outbox_internal._check_claim(batch_size, lease, shards, 'outbox.settle_and_claim');
     IF NOT rebased THEN
         b := outbox_internal._claim_bound();  -- before settling writes anything
     END IF;
     PERFORM outbox_internal._settle(c, outbox_internal._leased(c.id, shard, epoch), list);
-    IF NOT rebased AND outbox_internal._may_have_work(c.id) THEN
-        RETURN QUERY SELECT * FROM outbox_internal._claim(c, batch_size, lease,
-                                                 coalesce(owner, 'backend ' || pg_backend_pid()), b.seq, b.x);
+    IF NOT rebased THEN
+        working := outbox_internal._shards_with_work(c.id);
+        IF working IS NULL OR cardinality(working) > 0 THEN
+            RETURN QUERY SELECT * FROM outbox_internal._claim(c, batch_size, lease,
+                                                     coalesce(owner, 'backend ' || pg_backend_pid()),
+                                                     b.seq, b.x, working, shards);
+        END IF;
     END IF;
 END
 $$;
@@ -386,13 +392,14 @@ CREATE OR REPLACE FUNCTION outbox.settle_and_claim(
     failures   jsonb    DEFAULT '[]',
     batch_size int      DEFAULT 100,
     lease      interval DEFAULT '30 seconds',
-    owner      text     DEFAULT NULL
+    owner      text     DEFAULT NULL,
+    shards     int      DEFAULT 1
 ) RETURNS SETOF outbox.claimed
     LANGUAGE c VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
     SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS 'MODULE_PATHNAME', 'outbox_settle_and_claim';
 
-COMMENT ON FUNCTION outbox.settle_and_claim(text, int, bigint, jsonb, int, interval, text) IS
+COMMENT ON FUNCTION outbox.settle_and_claim(text, int, bigint, jsonb, int, interval, text, int) IS
     'settle, then claim, in one call and one transaction: a relay''s loop in one round trip. '
     'Example: SELECT * FROM outbox.settle_and_claim(''hook'', 3, 17, ''[]'', 100);';
 

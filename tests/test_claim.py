@@ -26,10 +26,11 @@ def consumer(db):
     return "sink"
 
 
-def test_each_committed_event_once_in_commit_order(db, consumer):
+@pytest.mark.parametrize("shards", [1, 3])
+def test_each_committed_event_once_in_commit_order(db, consumer, shards):
     for i in range(300):
         emit(db, f"k{i % 7}", payload={"i": i})
-    delivered = Relay(db, consumer, batch_size=25).drain()
+    delivered = Relay(db, consumer, batch_size=25, shards=shards).drain()
     assert sorted(e.seq for e in delivered) == [r[2] for r in committed_events(db)]
     per_key = defaultdict(list)
     for e in delivered:
@@ -125,10 +126,12 @@ def test_concurrent_writers_with_random_rollbacks(cluster, dbname, db, consumer)
     assert set(claimed) == committed, "every committed event, and only those"
 
 
-def test_parallel_claimers_keep_per_key_order_through_failures_and_kills(cluster, dbname, db, consumer):
+@pytest.mark.parametrize("shards", [1, 4])
+def test_parallel_claimers_keep_per_key_order_through_failures_and_kills(cluster, dbname, db, consumer, shards):
     """Writers serialize per key (a lock on the aggregate, as applications do), so each key's
     commit order is its seq order. Three claimers on separate connections fail deliveries at
-    random and are killed with pg_terminate_backend mid-batch; leases are short."""
+    random and are killed with pg_terminate_backend mid-batch; leases are short. With shards
+    4, each claim takes up to four shards' batches, settled one by one."""
     keys = [f"agg-{i}" for i in range(12)]
     sink: list = []                   # events, in delivery order
     sink_lock = threading.Lock()
@@ -148,34 +151,36 @@ def test_parallel_claimers_keep_per_key_order_through_failures_and_kills(cluster
     def claimer(c: int) -> None:
         rnd = random.Random(200 + c)
         conn = cluster.connect(dbname)
-        relay = Relay(conn, consumer, batch_size=rnd.choice([3, 10, 50]), lease="300 milliseconds", owner=f"c{c}")
+        relay = Relay(conn, consumer, batch_size=rnd.choice([3, 10, 50]), lease="300 milliseconds",
+                      owner=f"c{c}", shards=shards)
         idle = 0
         while idle < 30:
             try:
-                batch = relay.claim()
-                if not batch:
+                claimed = relay.claim()
+                if not claimed:
                     idle = idle + 1 if stop_writing.is_set() else 0
                     time.sleep(0.01)
                     continue
                 idle = 0
-                failed = set()
-                kill_at = rnd.randrange(len(batch) * 8)
-                for i, e in enumerate(batch):
-                    if e.aggregate_id in failed:
-                        continue
-                    if i == kill_at:   # the relay dies mid-batch, after delivering part of it
-                        killed_batches.append((e.shard, e.epoch))
-                        db_kill = cluster.connect(dbname)
-                        db_kill.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
-                        db_kill.close()
-                        raise psycopg.OperationalError("killed")
-                    if rnd.random() < 0.05:
-                        failed.add(e.aggregate_id)
-                        relay.nack(e, "random failure", retry_after="20 milliseconds")
-                        continue
-                    with sink_lock:
-                        sink.append(e)
-                relay.ack(batch[0].shard, batch[0].epoch)
+                for batch in Relay.batches(claimed):
+                    failed = set()
+                    kill_at = rnd.randrange(len(batch) * 8)
+                    for i, e in enumerate(batch):
+                        if e.aggregate_id in failed:
+                            continue
+                        if i == kill_at:   # the relay dies mid-batch, after delivering part of it
+                            killed_batches.append((e.shard, e.epoch))
+                            db_kill = cluster.connect(dbname)
+                            db_kill.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+                            db_kill.close()
+                            raise psycopg.OperationalError("killed")
+                        if rnd.random() < 0.05:
+                            failed.add(e.aggregate_id)
+                            relay.nack(e, "random failure", retry_after="20 milliseconds")
+                            continue
+                        with sink_lock:
+                            sink.append(e)
+                    relay.ack(batch[0].shard, batch[0].epoch)
             except psycopg.Error:
                 conn.close()
                 conn = cluster.connect(dbname)
@@ -361,6 +366,9 @@ def test_claims_never_update_or_delete_event_rows(db, consumer):
     ("SELECT * FROM outbox.claim('nope')", "42704"),
     ("SELECT * FROM outbox.claim('sink', 0)", "22023"),
     ("SELECT * FROM outbox.claim('sink', 10, '0 seconds')", "22023"),
+    ("SELECT * FROM outbox.claim('sink', shards => 0)", "22023"),
+    ("SELECT * FROM outbox.claim('sink', shards => NULL)", "22004"),
+    ("SELECT * FROM outbox.settle_and_claim('sink', 1, 1, shards => 0)", "22023"),
     ("SELECT outbox.ack('sink', 99, 1)", "22023"),
     ("SELECT outbox.ack('sink', 1, 12345)", "55000"),
     ("SELECT outbox.create_consumer('sink')", "42710"),
@@ -393,6 +401,40 @@ def test_roles_for_claims(connect, db, consumer):
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             connect(user).execute(sql)
     connect("admin_user").execute("SELECT outbox.create_consumer('by-admin')")
+
+
+def test_a_claim_of_several_shards_hands_out_a_batch_per_shard(db, connect, consumer):
+    """shards => 2: two shards' batches in one call, each with its own epoch and its events
+    together in commit order; each settles on its own; the third shard is left for another
+    claim, which does not get the two leased ones."""
+    keys = {shard: keys_in_shard(db, shard, 1)[0] for shard in (2, 5, 9)}
+    for i in range(3):
+        for shard, key in keys.items():
+            emit(db, key, payload={"i": i})
+    first = Relay(db, consumer, shards=2).claim()
+    batches = Relay.batches(first)
+    assert len(batches) == 2 and len({b[0].shard for b in batches}) == 2
+    for b in batches:
+        assert [e.aggregate_id for e in b] == [keys[b[0].shard]] * 3
+        assert [e.seq for e in b] == sorted(e.seq for e in b)
+    other = Relay(connect(), consumer, shards=16).claim()
+    assert {e.shard for e in other} == set(keys) - {b[0].shard for b in batches}
+    for b in batches + Relay.batches(other):
+        Relay(db, consumer).ack(b[0].shard, b[0].epoch)
+    assert Relay(db, consumer, shards=16).claim() == []
+    assert sorted(e.seq for e in first + other) == [r[2] for r in committed_events(db)]
+
+
+def test_settle_and_claim_takes_several_shards(db, consumer):
+    keys = [keys_in_shard(db, shard, 1)[0] for shard in (1, 4, 7)]
+    emit(db, keys[0])
+    relay = Relay(db, consumer)
+    batch = relay.claim()
+    for key in keys:
+        emit(db, key)
+    rows = db.execute("SELECT shard, epoch FROM outbox.settle_and_claim('sink', %s, %s, shards => 3)",
+                      (batch[0].shard, batch[0].epoch)).fetchall()
+    assert sorted({r[0] for r in rows}) == [1, 4, 7] and len(rows) == 3
 
 
 def test_a_shard_with_a_parked_key_hands_out_the_others_in_commit_order(db, consumer):

@@ -29,6 +29,7 @@ v1!(
     pg_finfo_outbox_claim_page_0_18,
     pg_finfo_outbox_window_events,
     pg_finfo_outbox_any_events,
+    pg_finfo_outbox_shards_with_new_events,
     pg_finfo_outbox_late_range
 );
 
@@ -251,6 +252,40 @@ pub unsafe extern "C-unwind" fn outbox_any_events(
     let any = column(1) == Some(pg_sys::Datum::from(true));
     finish();
     pg_sys::Datum::from(any)
+}
+
+/// `_shards_with_new_events(shards int[], floors bigint[], since, until) RETURNS int[]`: the
+/// shards among shards that have an event above their floor, made in [since, until), in
+/// order; NULL when none has.
+// SAFETY: called by fmgr for outbox_internal._shards_with_new_events (sql/cursors.sql:
+// LANGUAGE c, STRICT, int[], bigint[] and two timestamptz), in a transaction on the
+// backend's thread.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn outbox_shards_with_new_events(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    let statement = Statement::ShardsWithEvents(bounds_of(fcinfo, 2));
+    connect();
+    run(
+        statement,
+        &[
+            (pg_sys::INT4ARRAYOID, Some(arg(fcinfo, 0))),
+            (pg_sys::INT8ARRAYOID, Some(arg(fcinfo, 1))),
+        ],
+        true,
+        std::ptr::null_mut(),
+    );
+    // copied out of SPI's memory before finish frees it
+    let shards = column(1).and_then(|d| Vec::<i32>::from_datum(d, false));
+    finish();
+    match shards.and_then(IntoDatum::into_datum) {
+        Some(datum) => datum,
+        None => {
+            (*fcinfo).isnull = true;
+            pg_sys::Datum::from(0)
+        }
+    }
 }
 
 /// `_late_range(shard, floor_seq, seq_end, txids xid8[], since, until) RETURNS bigint[]`: the

@@ -38,9 +38,10 @@ thread_local! {
     static CLAIM: Cell<Option<Claim>> = const { Cell::new(None) };
 }
 
-/// `outbox.claim(consumer text, batch_size int, lease interval, owner text)`.
-// SAFETY: called by fmgr for outbox.claim (sql/claim.sql: LANGUAGE c, SETOF, four arguments
-// of the types below), in a transaction on the backend's thread; run_body checks nargs.
+/// `outbox.claim(consumer text, batch_size int, lease interval, owner text, shards int)`.
+// SAFETY: called by fmgr for outbox.claim (sql/claim.sql: LANGUAGE c, SETOF, five arguments
+// of the types below, or the first four in the SQL of 0.24.0 and before), in a transaction on
+// the backend's thread; run_body checks nargs.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
@@ -48,15 +49,15 @@ pub unsafe extern "C-unwind" fn outbox_claim(fcinfo: pg_sys::FunctionCallInfo) -
     run_body(
         fcinfo,
         Statement::ClaimBody,
-        &[TEXTOID, INT4OID, INTERVALOID, TEXTOID],
+        &[TEXTOID, INT4OID, INTERVALOID, TEXTOID, INT4OID],
     )
 }
 
 /// `outbox.settle_and_claim(consumer text, shard int, epoch bigint, failures jsonb,
-/// batch_size int, lease interval, owner text)`.
+/// batch_size int, lease interval, owner text, shards int)`.
 // SAFETY: called by fmgr for outbox.settle_and_claim (sql/settle.sql: LANGUAGE c, SETOF,
-// seven arguments of the types below), in a transaction on the backend's thread; run_body
-// checks nargs.
+// eight arguments of the types below, or the first seven in the SQL of 0.24.0 and before),
+// in a transaction on the backend's thread; run_body checks nargs.
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub unsafe extern "C-unwind" fn outbox_settle_and_claim(
@@ -71,27 +72,28 @@ pub unsafe extern "C-unwind" fn outbox_settle_and_claim(
         INT4OID,
         INTERVALOID,
         TEXTOID,
+        INT4OID,
     ];
     run_body(fcinfo, Statement::SettleAndClaimBody, &types)
 }
 
-/// Runs a claim's body with the call's arguments (of the given types), as the claim in
-/// progress: the rows of its page and the rows it returns make the call's result.
+/// Runs a claim's body with the call's arguments (of the given types, the last left out by
+/// the SQL of 0.24.0 and before, which runs on this library until ALTER EXTENSION UPDATE), as
+/// the claim in progress: the rows of its page and the rows it returns make the call's result.
 // SAFETY: fcinfo is a set-returning call's, its arguments of these types (their count
 // checked below); rows (dest) outlives the statement, and the claim is unset again when
 // this returns or unwinds (InProgress), so no page writes into a finished call's result.
 unsafe fn run_body(
     fcinfo: pg_sys::FunctionCallInfo,
-    body: Statement,
+    body: fn(usize) -> Statement,
     types: &[pg_sys::Oid],
 ) -> pg_sys::Datum {
-    if (*fcinfo).nargs as usize != types.len() {
-        error!(
-            "outbox_ext: a claim was called with {} arguments",
-            (*fcinfo).nargs
-        );
+    let nargs = (*fcinfo).nargs as usize;
+    if nargs != types.len() && nargs != types.len() - 1 {
+        error!("outbox_ext: a claim was called with {nargs} arguments");
     }
-    let params: Vec<Param> = (0..types.len())
+    let body = body(nargs);
+    let params: Vec<Param> = (0..nargs)
         .map(|i| (types[i], nullable_arg(fcinfo, i)))
         .collect();
     let mut rows = RowReceiver::for_result(fcinfo);

@@ -29,18 +29,24 @@ pub enum Statement {
     Events(Bounds, pg_sys::Oid),
     /// whether shards have events above their floors
     AnyEvents(Bounds),
+    /// which shards have events above their floors
+    ShardsWithEvents(Bounds),
     /// the seq range of late transactions' events
     LateRange(Bounds),
-    /// outbox.claim's body, whose rows go into the result of outbox.claim (result.rs)
-    ClaimBody,
+    /// outbox.claim's body, whose rows go into the result of outbox.claim (result.rs), with
+    /// so many arguments (the SQL of 0.24.0 and before has no shards)
+    ClaimBody(usize),
     /// outbox.settle_and_claim's body, likewise
-    SettleAndClaimBody,
+    SettleAndClaimBody(usize),
 }
 
 impl Statement {
     /// Whether it is a claim's body, which runs the others (src/claim/result.rs).
     fn is_body(self) -> bool {
-        matches!(self, Statement::ClaimBody | Statement::SettleAndClaimBody)
+        matches!(
+            self,
+            Statement::ClaimBody(_) | Statement::SettleAndClaimBody(_)
+        )
     }
 }
 
@@ -77,19 +83,32 @@ fn sql(statement: Statement) -> String {
             "SELECT EXISTS (SELECT FROM outbox_internal._shards_with_events($1, $2, {}))",
             bounds(b)
         ),
+        Statement::ShardsWithEvents(b) => format!(
+            "SELECT pg_catalog.array_agg(s.shard ORDER BY s.shard) \
+               FROM outbox_internal._shards_with_events($1, $2, {}) AS s(shard)",
+            bounds(b)
+        ),
         Statement::LateRange(b) => format!(
             "SELECT pg_catalog.min(l.seq), pg_catalog.max(l.seq) \
                FROM outbox_internal._late_seqs($1, $2, $3, $4, {}) AS l(seq)",
             bounds(b)
         ),
-        Statement::ClaimBody => {
-            "SELECT * FROM outbox_internal._claim_body($1, $2, $3, $4)".to_string()
+        Statement::ClaimBody(n) => {
+            format!("SELECT * FROM outbox_internal._claim_body({})", args(n))
         }
-        Statement::SettleAndClaimBody => {
-            "SELECT * FROM outbox_internal._settle_and_claim_body($1, $2, $3, $4, $5, $6, $7)"
-                .to_string()
-        }
+        Statement::SettleAndClaimBody(n) => format!(
+            "SELECT * FROM outbox_internal._settle_and_claim_body({})",
+            args(n)
+        ),
     }
+}
+
+/// "$1, $2, ..., $n"
+fn args(n: usize) -> String {
+    (1..=n)
+        .map(|i| format!("${i}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 thread_local! {

@@ -269,25 +269,34 @@ impl Delivery {
                 Claims::Full => false,
             };
             while self.pool.in_flight(name) < config.concurrency {
-                let limit = match probe {
-                    true => PROBE_EVENTS.min(sink.batch_limit),
-                    false => sink.batch_limit,
+                let (limit, shards) = match probe {
+                    true => (PROBE_EVENTS.min(sink.batch_limit), 1),
+                    // a batch for each free slot, in one transaction: when events come faster
+                    // than one claim per event, fewer claims
+                    false => (
+                        sink.batch_limit,
+                        free_slots(config.concurrency, self.pool.in_flight(name)),
+                    ),
                 };
-                match queries::claim(config, &sink.stamp, limit, lease(config)) {
-                    Ok(Some(batch)) => {
-                        if probe {
-                            let lone =
-                                one_key(&batch) && nothing_else_to_claim(config, &sink.stamp);
-                            sink.health.probe_sent(&batch, lone);
-                        } else {
-                            sink.batch_limit = batch_limit(config.batch_size, &batch.events);
+                match queries::claim(config, &sink.stamp, limit, lease(config), shards) {
+                    Ok(batches) if !batches.is_empty() => {
+                        // fewer than asked for: no other shard has work now
+                        let all_there_is = batches.len() < shards as usize;
+                        for batch in batches {
+                            if probe {
+                                let lone =
+                                    one_key(&batch) && nothing_else_to_claim(config, &sink.stamp);
+                                sink.health.probe_sent(&batch, lone);
+                            } else {
+                                sink.batch_limit = batch_limit(config.batch_size, &batch.events);
+                            }
+                            self.pool.submit(Arc::clone(&sink.client), batch, probe);
                         }
-                        self.pool.submit(Arc::clone(&sink.client), batch, probe);
-                        if probe {
-                            break; // one probe at a time
+                        if probe || all_there_is {
+                            break; // one probe at a time, or nothing more to claim
                         }
                     }
-                    Ok(None) => {
+                    Ok(_) => {
                         if probe {
                             sink.health.probe_found_nothing(now);
                         }
@@ -338,6 +347,8 @@ impl Delivery {
             // keeping up: settle and claim the sink's next batch in one transaction
             Judgement::Settle(verdicts) if keeping_up => {
                 let config = &sink.client.config;
+                // the settled batch's slot and the others free
+                let free = free_slots(config.concurrency, self.pool.in_flight(&done.batch.sink));
                 queries::settle_and_claim(
                     &done.batch,
                     verdicts,
@@ -345,14 +356,15 @@ impl Delivery {
                     &sink.stamp,
                     sink.batch_limit,
                     lease(config),
+                    free,
                 )
                 // its claim failing rolls its settle back: settle on its own then
                 .or_else(|e| {
                     combined_failed = Some(e);
-                    queries::settle(&done.batch, &judgement).map(|s| (s, None))
+                    queries::settle(&done.batch, &judgement).map(|s| (s, Vec::new()))
                 })
                 .map(|(settled, next)| {
-                    if let Some(next) = next {
+                    for next in next {
                         sink.batch_limit = batch_limit(config.batch_size, &next.events);
                         self.pool.submit(Arc::clone(&sink.client), next, false);
                     }
@@ -491,6 +503,13 @@ fn lease(config: &crate::sinks::Config) -> Duration {
     (config.request_timeout * 4).max(Duration::from_secs(300))
 }
 
+/// How many shards' batches a claim may take: one per delivery slot free (at least one).
+fn free_slots(concurrency: usize, in_flight: usize) -> i32 {
+    concurrency
+        .saturating_sub(in_flight)
+        .clamp(1, i32::MAX as usize) as i32
+}
+
 fn one_key(batch: &Batch) -> bool {
     let key = batch.events.first().map(|e| &e.aggregate_id);
     batch.events.iter().all(|e| Some(&e.aggregate_id) == key)
@@ -499,7 +518,7 @@ fn one_key(batch: &Batch) -> bool {
 /// Whether the sink has nothing to claim but the probe it holds (a second claim cannot take
 /// the probe's shard, leased, and finds nothing). What it finds is given back at once.
 fn nothing_else_to_claim(config: &Config, stamp: &str) -> bool {
-    match queries::claim(config, stamp, 1, lease(config)) {
+    match queries::claim(config, stamp, 1, lease(config), 1).map(|mut b| b.pop()) {
         Ok(None) => true,
         Ok(Some(other)) => {
             let back = Judgement::GiveBack {

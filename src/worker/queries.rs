@@ -167,14 +167,16 @@ fn sink_as_read(stamp: usize) -> String {
     )
 }
 
-/// Claims the next batch (at most batch_size events) of one shard of the sink, or None when no
-/// shard has work or the sink's row is no longer as read (`stamp`).
+/// Claims the next batch (at most batch_size events) of at most `shards` shards of the sink,
+/// in one transaction; none when no shard has work or the sink's row is no longer as read
+/// (`stamp`).
 pub fn claim(
     config: &Config,
     stamp: &str,
     batch_size: i32,
     lease: Duration,
-) -> Result<Option<Batch>, String> {
+    shards: i32,
+) -> Result<Vec<Batch>, String> {
     in_transaction(|| {
         // select, not update: pgrx's update takes an xid first, and a claim must come before
         // its transaction's first write (see sql/claim.sql). Lateral on the sink's row, the
@@ -186,7 +188,7 @@ pub fn claim(
                 &format!(
                     "SELECT {CLAIMED}
                        FROM outbox.sinks s
-                      CROSS JOIN LATERAL outbox.claim(s.name, $2, pg_catalog.make_interval(secs => $3), $4) AS c
+                      CROSS JOIN LATERAL outbox.claim(s.name, $2, pg_catalog.make_interval(secs => $3), $4, $6) AS c
                       WHERE {}",
                     sink_as_read(5)
                 ),
@@ -197,17 +199,18 @@ pub fn claim(
                     lease.as_secs_f64().into(),
                     OWNER.into(),
                     stamp.into(),
+                    shards.into(),
                 ],
             )?;
-            Ok::<_, pgrx::spi::Error>(read_batch(&config.name, lease, rows))
+            Ok::<_, pgrx::spi::Error>(read_batches(&config.name, lease, rows))
         })
     })?
     .map_err(|e| e.to_string())
 }
 
-/// Settles a finished batch and claims the sink's next one, in one call and one transaction
-/// (outbox.settle_and_claim): half the worker's transactions while a sink keeps up. Settled
-/// alone when the sink's row is no longer as read (`stamp`).
+/// Settles a finished batch and claims the sink's next ones (of at most `shards` shards), in
+/// one call and one transaction (outbox.settle_and_claim): half the worker's transactions
+/// while a sink keeps up. Settled alone when the sink's row is no longer as read (`stamp`).
 pub fn settle_and_claim(
     batch: &Batch,
     verdicts: &[Verdict],
@@ -215,7 +218,8 @@ pub fn settle_and_claim(
     stamp: &str,
     batch_size: i32,
     lease: Duration,
-) -> Result<(Settled, Option<Batch>), String> {
+    shards: i32,
+) -> Result<(Settled, Vec<Batch>), String> {
     in_transaction(|| {
         Spi::connect_mut(|client| {
             let (failures, settled) = failures(batch, verdicts);
@@ -229,13 +233,13 @@ pub fn settle_and_claim(
                 == 1;
             if !as_read {
                 settle_only(client, batch, failures)?;
-                return Ok((settled, None));
+                return Ok((settled, Vec::new()));
             }
             let rows = client.select(
                 &format!(
                     "SELECT {CLAIMED}
                        FROM outbox.settle_and_claim($1, $2, $3, $4::jsonb, $5,
-                                                    pg_catalog.make_interval(secs => $6), $7) AS c"
+                                                    pg_catalog.make_interval(secs => $6), $7, $8) AS c"
                 ),
                 None,
                 &[
@@ -246,9 +250,10 @@ pub fn settle_and_claim(
                     batch_size.into(),
                     lease.as_secs_f64().into(),
                     OWNER.into(),
+                    shards.into(),
                 ],
             )?;
-            Ok::<_, pgrx::spi::Error>((settled, read_batch(&config.name, lease, rows)))
+            Ok::<_, pgrx::spi::Error>((settled, read_batches(&config.name, lease, rows)))
         })
     })?
     .map_err(|e| e.to_string())
@@ -263,12 +268,12 @@ const CLAIMED_TYPES: [pg_sys::Oid; 11] = {
     ]
 };
 
-/// The claimed rows (columns as CLAIMED) as a batch, or None for no rows; its deadline leaves
-/// a tenth of the lease for settling. `rows` must be the
-/// last result of SPI: each row is read straight from SPI's result with one deform, as
+/// The claimed rows (columns as CLAIMED) as batches, one per shard (a claim returns each
+/// shard's rows together); their deadline leaves a tenth of the lease for settling. `rows`
+/// must be the last result of SPI: each row is read straight from SPI's result with one deform, as
 /// pgrx's reads column by column (two guarded calls into PostgreSQL each, every column found
 /// from the row's start) took a fifth of the worker's time at batches of 1,000.
-fn read_batch(sink: &str, lease: Duration, rows: pgrx::spi::SpiTupleTable) -> Option<Batch> {
+fn read_batches(sink: &str, lease: Duration, rows: pgrx::spi::SpiTupleTable) -> Vec<Batch> {
     let deadline = Instant::now() + lease.mul_f64(0.9);
     // SAFETY: SPI_tuptable and SPI_processed describe `rows`, the last statement's result
     // (nothing ran since); its columns are checked against CLAIMED_TYPES before any is read,
@@ -276,7 +281,7 @@ fn read_batch(sink: &str, lease: Duration, rows: pgrx::spi::SpiTupleTable) -> Op
     unsafe {
         let table = pg_sys::SPI_tuptable;
         if rows.is_empty() || table.is_null() || pg_sys::SPI_processed as usize != rows.len() {
-            return None;
+            return Vec::new();
         }
         let desc = (*table).tupdesc;
         let types_match = (*desc).natts as usize == CLAIMED_TYPES.len()
@@ -289,7 +294,7 @@ fn read_batch(sink: &str, lease: Duration, rows: pgrx::spi::SpiTupleTable) -> Op
         );
         let mut values = [pg_sys::Datum::from(0); CLAIMED_TYPES.len()];
         let mut nulls = [false; CLAIMED_TYPES.len()];
-        let mut batch: Option<Batch> = None;
+        let mut batches: Vec<Batch> = Vec::new();
         for i in 0..rows.len() {
             pg_sys::heap_deform_tuple(
                 *(*table).vals.add(i),
@@ -298,13 +303,21 @@ fn read_batch(sink: &str, lease: Duration, rows: pgrx::spi::SpiTupleTable) -> Op
                 nulls.as_mut_ptr(),
             );
             let text = |c: usize| String::from_datum(values[c], nulls[c]);
-            let batch = batch.get_or_insert_with(|| Batch {
-                sink: sink.to_owned(),
-                shard: i32::from_datum(values[0], nulls[0]).unwrap_or(-1),
-                epoch: i64::from_datum(values[1], nulls[1]).unwrap_or(-1),
-                deadline,
-                events: Vec::with_capacity(rows.len()),
-            });
+            let shard = i32::from_datum(values[0], nulls[0]).unwrap_or(-1);
+            let epoch = i64::from_datum(values[1], nulls[1]).unwrap_or(-1);
+            if batches
+                .last()
+                .is_none_or(|b| (b.shard, b.epoch) != (shard, epoch))
+            {
+                batches.push(Batch {
+                    sink: sink.to_owned(),
+                    shard,
+                    epoch,
+                    deadline,
+                    events: Vec::new(),
+                });
+            }
+            let batch = batches.last_mut().expect("pushed above");
             batch.events.push(Event {
                 id: text(2).unwrap_or_default(),
                 topic: text(3),
@@ -317,7 +330,7 @@ fn read_batch(sink: &str, lease: Duration, rows: pgrx::spi::SpiTupleTable) -> Op
                 attempt: i32::from_datum(values[10], nulls[10]).unwrap_or(1),
             });
         }
-        batch
+        batches
     }
 }
 

@@ -48,16 +48,31 @@ def first_deliveries(deliveries: Iterable[tuple[object, str]]) -> dict[str, list
 
 class Relay:
     def __init__(self, conn: psycopg.Connection, consumer: str, batch_size: int = 100,
-                 lease: str = "30 seconds", owner: str | None = None):
+                 lease: str = "30 seconds", owner: str | None = None, shards: int = 1):
         self.conn, self.consumer, self.batch_size, self.lease, self.owner = conn, consumer, batch_size, lease, owner
+        self.shards = shards   # more than 1: claims take that many shards' batches at most
 
     def claim(self) -> list[Event]:
+        """The next batch; with shards > 1, the batches of several shards, one after the other
+        (split them with `batches`)."""
+        shards = ", shards => %s" if self.shards != 1 else ""   # as any version takes it
         with self.conn.cursor(row_factory=dict_row) as cur:
             rows = cur.execute(
                 "SELECT shard, epoch, id, aggregate_id, event_type, payload, headers, seq, attempt, topic "
-                "FROM outbox.claim(%s, %s, %s::interval, %s)",
-                (self.consumer, self.batch_size, self.lease, self.owner)).fetchall()
+                f"FROM outbox.claim(%s, %s, %s::interval, %s{shards})",
+                (self.consumer, self.batch_size, self.lease, self.owner)
+                + ((self.shards,) if shards else ())).fetchall()
         return [Event(**r) for r in rows]
+
+    @staticmethod
+    def batches(events: list[Event]) -> list[list[Event]]:
+        """A claim's rows as its batches, one per (shard, epoch), in the order they came."""
+        split: list[list[Event]] = []
+        for e in events:
+            if not split or (split[-1][0].shard, split[-1][0].epoch) != (e.shard, e.epoch):
+                split.append([])
+            split[-1].append(e)
+        return split
 
     def settle(self, shard: int, epoch: int, failures: list[dict] | None = None) -> int:
         """Settles the batch; failures: {"id", "error", "retry_after", "final"}. Returns how many
@@ -91,19 +106,19 @@ class Relay:
                           (self.consumer, shard, epoch, retry_after))
 
     def step(self, deliver: Callable[[Event], bool], retry_after: str | None = None) -> int:
-        """Claim one batch, deliver it in order, settle it. Returns events claimed."""
-        batch = self.claim()
-        if not batch:
-            return 0
-        failures, failed_keys = [], set()
-        for event in batch:
-            if event.aggregate_id in failed_keys:
-                continue   # never sent ahead of its key's failed event; settle keeps it back
-            if not deliver(event):
-                failed_keys.add(event.aggregate_id)
-                failures.append(self.failure(event, f"delivery of {event.id} failed", retry_after))
-        self.settle(batch[0].shard, batch[0].epoch, failures)
-        return len(batch)
+        """Claim one batch (or, with shards > 1, several), deliver each in order, settle each.
+        Returns events claimed."""
+        claimed = self.claim()
+        for batch in self.batches(claimed):
+            failures, failed_keys = [], set()
+            for event in batch:
+                if event.aggregate_id in failed_keys:
+                    continue   # never sent ahead of its key's failed event; settle keeps it back
+                if not deliver(event):
+                    failed_keys.add(event.aggregate_id)
+                    failures.append(self.failure(event, f"delivery of {event.id} failed", retry_after))
+            self.settle(batch[0].shard, batch[0].epoch, failures)
+        return len(claimed)
 
     def drain(self, deliver: Callable[[Event], bool] | None = None, max_empty: int = 1) -> list[Event]:
         """Step until claims come back empty max_empty times in a row; returns what was delivered."""
