@@ -425,6 +425,23 @@ def test_a_claim_of_several_shards_hands_out_a_batch_per_shard(db, connect, cons
     assert sorted(e.seq for e in first + other) == [r[2] for r in committed_events(db)]
 
 
+def test_a_claim_of_a_sparse_stream_locks_only_the_shards_with_work(db, connect, consumer):
+    """One new event at a time, each in another shard: the claim takes only that shard's row,
+    not every shard it would try in turn from a random one (#38: most of a sparse claim)."""
+    relay_conn = connect(autocommit=False)
+    relay = Relay(relay_conn, consumer)
+    for shard in (3, 11, 6, 0, 15):
+        emit(db, keys_in_shard(db, shard, 1)[0])
+        batch = relay.claim()
+        xid = relay_conn.execute("SELECT (pg_current_xact_id()::text::bigint % 4294967296)::text").fetchone()[0]
+        locked = db.execute("SELECT s.shard FROM outbox._shards s JOIN outbox.consumers c ON c.id = s.consumer_id "
+                            "WHERE c.name = %s AND s.xmax = %s::xid", (consumer, xid)).fetchall()
+        relay_conn.commit()
+        assert [e.shard for e in batch] == [shard] and locked == [(shard,)]
+        relay.ack(shard, batch[0].epoch)
+        relay_conn.commit()
+
+
 def test_settle_and_claim_takes_several_shards(db, consumer):
     keys = [keys_in_shard(db, shard, 1)[0] for shard in (1, 4, 7)]
     emit(db, keys[0])
