@@ -151,15 +151,16 @@ BEGIN
 END
 $$;
 
--- The shards where a claim may find something for the consumer, in order: those with parked
--- keys due, a window open, a restored cursor, a floor behind a seal, or an event above their
--- floor — what _free_cursor asks of each shard, asked of all of them read-only, without
--- locking a shard or taking an xid. NULL: every shard (one picked at random has a window open,
--- as most have in a backlog, where reading every cursor would cost more than it saves). Empty:
--- no shard, so a claim with nothing to do (an idle relay's poll) stops here and writes
--- nothing: no row lock, no mark, no commit record. A shard listed may still give nothing (a
--- lease, a lock, events not yet committed). Listed, a claim of a sparse stream tries the one
--- shard that has events instead of every shard in turn (#38: about half of such a claim).
+-- The shards where a claim may find something for the consumer, in order: those not under a
+-- live lease with parked keys due, a window open, a restored cursor, a floor behind a seal,
+-- or an event above their floor — what _free_cursor asks of each shard, asked of all of them
+-- read-only, without locking a shard or taking an xid. NULL: every shard (one picked at random
+-- is free with a window open, as most are in a backlog, where reading every cursor would cost
+-- more than it saves). Empty: no shard, so a claim with nothing to do (an idle relay's poll,
+-- or one whose work is all leased) stops here and writes nothing: no row lock, no mark, no
+-- commit record. A shard listed may still give nothing (a lock, a lease taken since, events
+-- not yet committed). Listed, a claim of a sparse stream tries the one shard that has events
+-- instead of every shard in turn (#38: about half of such a claim).
 CREATE OR REPLACE FUNCTION outbox_internal._shards_with_work(consumer_id int) RETURNS int[]
     LANGUAGE plpgsql STABLE
 AS $$
@@ -167,11 +168,12 @@ DECLARE
     one    outbox._cursor_log := outbox_internal._cursor(consumer_id, floor(random() * outbox.shard_count())::int);
     newest outbox._seals;
     listed int[];    -- shards with a window open, restored, or behind a seal
+    leased int[];    -- shards under a live lease (or a release's wait)
     shards int[];    -- every shard, in order
     floors bigint[]; -- and its floor
     due    int[] := '{}';
 BEGIN
-    IF one.hi_snap IS NOT NULL OR one.restored_seq IS NOT NULL THEN
+    IF (one.hi_snap IS NOT NULL OR one.restored_seq IS NOT NULL) AND coalesce(one.lease_until <= now(), true) THEN
         RETURN NULL;
     END IF;
     newest := outbox_internal._newest_seal();
@@ -180,9 +182,10 @@ BEGIN
     SELECT array_agg(s.shard ORDER BY s.shard)
                FILTER (WHERE (cur.l).hi_snap IS NOT NULL OR (cur.l).restored_seq IS NOT NULL
                           OR outbox_internal._behind_a_seal(cur.l, newest)),
+           array_agg(s.shard ORDER BY s.shard) FILTER (WHERE (cur.l).lease_until > now()),
            array_agg(s.shard ORDER BY s.shard),
            array_agg(outbox_internal._pending_floor(cur.l) ORDER BY s.shard)
-      INTO listed, shards, floors
+      INTO listed, leased, shards, floors
       FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
      CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
                           WHERE l.consumer_id = _shards_with_work.consumer_id AND l.shard = s.shard
@@ -204,6 +207,7 @@ BEGIN
                                       shards, floors,
                                       outbox_internal._since((SELECT min(f) FROM unnest(floors) AS f), newest),
                                       outbox_internal._reach())) AS s
+                  WHERE s <> ALL (coalesce(leased, '{}'))
                   ORDER BY s);
 END
 $$;

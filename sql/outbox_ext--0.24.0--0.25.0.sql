@@ -1,16 +1,17 @@
 -- outbox_ext 0.24.0 -> 0.25.0
 --
--- Why: a claim of a sparse stream (a few events at a time, the background worker's usual
--- case) tried every shard in turn, locking each and probing it for events, where most had
--- none: about half of each claim. _shards_with_work now lists the shards a claim may find
--- something in, with one probe of the event log for all of them, and the claim tries only
--- those (in a backlog, where a shard picked at random has a window open, it still tries every
--- shard). _may_have_work, which answered only yes or no, is gone. _top is inlined into its
+-- Why: a claim of a sparse stream (a few events at a time, the background worker's usual case)
+-- tried every shard in turn, locking each and probing it for events, where most had none: about
+-- half of each claim. _shards_with_work now lists the shards a claim may find something in,
+-- with one probe of the event log for all of them, and the claim tries only those, and none
+-- under a live lease (in a backlog, where a shard picked at random is free with a window open,
+-- it still tries every shard); a poll whose only work is leased takes no xid and writes
+-- nothing. _may_have_work, which answered only yes or no, is gone. _top is inlined into its
 -- callers (declared STRICT, it was run as a SQL function, parsed and planned at every call).
 -- And outbox.claim and outbox.settle_and_claim take `shards` (default 1): one call hands out
--- the batches of up to that many shards, each with its own epoch, for the cost of one claim
--- and a page per shard; the worker claims as many as it has free delivery slots. The two
--- functions are dropped and made again with the new argument (their grants made again too).
+-- the batches of up to that many shards, each with its own epoch, for the cost of one claim and
+-- a page per shard; the worker claims as many as it has free delivery slots. The two functions
+-- are dropped and made again with the new argument (their grants made again too).
 --
 -- A delta: what changed from 0.24.0 to 0.25.0, rerunnable.
 
@@ -69,11 +70,12 @@ DECLARE
     one    outbox._cursor_log := outbox_internal._cursor(consumer_id, floor(random() * outbox.shard_count())::int);
     newest outbox._seals;
     listed int[];    -- shards with a window open, restored, or behind a seal
+    leased int[];    -- shards under a live lease (or a release's wait)
     shards int[];    -- every shard, in order
     floors bigint[]; -- and its floor
     due    int[] := '{}';
 BEGIN
-    IF one.hi_snap IS NOT NULL OR one.restored_seq IS NOT NULL THEN
+    IF (one.hi_snap IS NOT NULL OR one.restored_seq IS NOT NULL) AND coalesce(one.lease_until <= now(), true) THEN
         RETURN NULL;
     END IF;
     newest := outbox_internal._newest_seal();
@@ -82,9 +84,10 @@ BEGIN
     SELECT array_agg(s.shard ORDER BY s.shard)
                FILTER (WHERE (cur.l).hi_snap IS NOT NULL OR (cur.l).restored_seq IS NOT NULL
                           OR outbox_internal._behind_a_seal(cur.l, newest)),
+           array_agg(s.shard ORDER BY s.shard) FILTER (WHERE (cur.l).lease_until > now()),
            array_agg(s.shard ORDER BY s.shard),
            array_agg(outbox_internal._pending_floor(cur.l) ORDER BY s.shard)
-      INTO listed, shards, floors
+      INTO listed, leased, shards, floors
       FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
      CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
                           WHERE l.consumer_id = _shards_with_work.consumer_id AND l.shard = s.shard
@@ -106,6 +109,7 @@ BEGIN
                                       shards, floors,
                                       outbox_internal._since((SELECT min(f) FROM unnest(floors) AS f), newest),
                                       outbox_internal._reach())) AS s
+                  WHERE s <> ALL (coalesce(leased, '{}'))
                   ORDER BY s);
 END
 $$;

@@ -489,6 +489,21 @@ def test_a_claim_with_nothing_to_read_locks_nothing_and_writes_nothing(db, conne
     assert len(connect().execute("SELECT * FROM outbox.claim('sink')").fetchall()) == 1
 
 
+def test_a_claim_whose_only_work_is_leased_stays_idle(db, connect, consumer):
+    """Events wait in a shard another relay holds: a second relay's poll finds nothing to take
+    and, as an idle poll, takes no xid and writes nothing."""
+    key = keys_in_shard(db, 3, 1)[0]
+    emit(db, key)
+    held = Relay(connect(), consumer).claim()
+    emit(db, key, 2)
+    other = connect(autocommit=False)
+    assert other.execute("SELECT count(*) FROM outbox.claim('sink')").fetchone()[0] == 0
+    assert other.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None
+    other.rollback()
+    Relay(db, consumer).ack(3, held[0].epoch)
+    assert [e.shard for e in Relay(other, consumer).claim()] == [3, 3]
+
+
 def test_a_parked_key_not_yet_due_leaves_a_poll_idle(db, connect, consumer):
     """A key parked until later gives a claim nothing to do: the poll takes no xid and writes
     nothing (until 0.23.0 every poll did, while any key was parked); once the key is due, the
