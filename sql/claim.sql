@@ -230,6 +230,25 @@ BEGIN
 END
 $$;
 
+-- Nothing new since the last window (cur: the window just opened, found empty): record the
+-- empty window as read when that raises the floor, so the next claim's probe starts above it;
+-- when the claim began in a window that held nothing more (stale: else every poll would read
+-- it to its end again, and _shards_with_work would never say none); or when the shard was read
+-- for a seal (once per seal).
+CREATE OR REPLACE FUNCTION outbox_internal._record_empty(cur outbox._cursor_log, stale boolean, newest outbox._seals)
+RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    next outbox._cursor_log := outbox_internal._advance(cur, NULL, true);
+BEGIN
+    IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) OR stale
+       OR outbox_internal._behind_a_seal(cur, newest) THEN
+        PERFORM outbox_internal._append(next);
+    END IF;
+END
+$$;
+
 -- Claim the next batch of at most `batches` free shards of those listed (_shards_with_work;
 -- NULL: all), tried from a random one on: each shard's events in commit order, handed out by
 -- _claim_page, which also writes the shard's claim row; or, when a shard has parked keys, the
@@ -248,7 +267,6 @@ DECLARE
     until  timestamptz := outbox_internal._reach();  -- for the probes; a window reads it again
     free   record;
     cur    outbox._cursor_log;
-    next   outbox._cursor_log;
     fresh  boolean;
     stale  boolean;
     since  timestamptz;
@@ -274,16 +292,7 @@ BEGIN
             got := outbox_internal._claim_page(cur, batch_size, owner, lease, since, until);
             EXIT WHEN got > 0;
             IF fresh THEN
-                -- nothing new since the last window: record the empty window as read when
-                -- that raises the floor, so the next claim's probe starts above it; when the
-                -- claim began in a window that held nothing more (else every poll would read
-                -- it to its end again, and _shards_with_work would never say none); or when the
-                -- shard was read for a seal (once per seal)
-                next := outbox_internal._advance(cur, NULL, true);
-                IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) OR stale
-                   OR outbox_internal._behind_a_seal(cur, newest) THEN
-                    PERFORM outbox_internal._append(next);
-                END IF;
+                PERFORM outbox_internal._record_empty(cur, stale, newest);
                 EXIT;
             END IF;
             cur := outbox_internal._next_window(cur);
@@ -325,7 +334,8 @@ $$;
 -- _claim for a shard with parked keys: the page's events of parked keys join their queues
 -- instead of going out (the shard moves past pages that hold only those), and the batch also
 -- holds the due heads (_due_heads: at most batch_size more). Nothing (and no claim row) when
--- neither is left.
+-- neither is left; then the empty window is recorded as _claim records it (_record_empty),
+-- so that polls while the shard's keys wait out their backoff stay idle.
 CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
                                                 batch_size int, lease interval, owner text,
                                                 seq_mark bigint, x xid8)
@@ -333,6 +343,7 @@ RETURNS SETOF outbox.claimed
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
+    stale     boolean := cur.hi_snap IS NOT NULL;  -- as in _claim
     fresh     boolean;
     page      outbox.events[];
     queued    outbox.events[];  -- the page's events of parked keys
@@ -373,6 +384,7 @@ BEGIN
     END LOOP;
     heads := outbox_internal._due_heads(c, cur.shard, batch_size);
     IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
+        PERFORM outbox_internal._record_empty(cur, stale, outbox_internal._newest_seal());
         RETURN;
     END IF;
     cur := outbox_internal._claimed(cur, owner, lease,

@@ -6,12 +6,15 @@
 -- with one probe of the event log for all of them, and the claim tries only those, and none
 -- under a live lease (in a backlog, where a shard picked at random is free with a window open,
 -- it still tries every shard); a poll whose only work is leased takes no xid and writes
--- nothing. _may_have_work, which answered only yes or no, is gone. _top is inlined into its
--- callers (declared STRICT, it was run as a SQL function, parsed and planned at every call).
--- And outbox.claim and outbox.settle_and_claim take `shards` (default 1): one call hands out
--- the batches of up to that many shards, each with its own epoch, for the cost of one claim and
--- a page per shard; the worker claims as many as it has free delivery slots. The two functions
--- are dropped and made again with the new argument (their grants made again too).
+-- nothing. A claim of a shard with parked keys that found nothing to hand out did not record
+-- the empty window it read (_claim did; _record_empty now does it for both), so while a key
+-- waited out its backoff every poll claimed that shard again, taking an xid. _may_have_work,
+-- which answered only yes or no, is gone. _top is inlined into its callers (declared STRICT, it
+-- was run as a SQL function, parsed and planned at every call). And outbox.claim and
+-- outbox.settle_and_claim take `shards` (default 1): one call hands out the batches of up to
+-- that many shards, each with its own epoch, for the cost of one claim and a page per shard;
+-- the worker claims as many as it has free delivery slots. The two functions are dropped and
+-- made again with the new argument (their grants made again too).
 --
 -- A delta: what changed from 0.24.0 to 0.25.0, rerunnable.
 
@@ -115,6 +118,21 @@ END
 $$;
 
 
+CREATE OR REPLACE FUNCTION outbox_internal._record_empty(cur outbox._cursor_log, stale boolean, newest outbox._seals)
+RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    next outbox._cursor_log := outbox_internal._advance(cur, NULL, true);
+BEGIN
+    IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) OR stale
+       OR outbox_internal._behind_a_seal(cur, newest) THEN
+        PERFORM outbox_internal._append(next);
+    END IF;
+END
+$$;
+
+
 CREATE OR REPLACE FUNCTION outbox_internal._claim(c outbox.consumers, batch_size int, lease interval,
                                          owner text, seq_mark bigint, x xid8, shards int[], batches int)
 RETURNS SETOF outbox.claimed
@@ -128,7 +146,6 @@ DECLARE
     until  timestamptz := outbox_internal._reach();  -- for the probes; a window reads it again
     free   record;
     cur    outbox._cursor_log;
-    next   outbox._cursor_log;
     fresh  boolean;
     stale  boolean;
     since  timestamptz;
@@ -154,16 +171,7 @@ BEGIN
             got := outbox_internal._claim_page(cur, batch_size, owner, lease, since, until);
             EXIT WHEN got > 0;
             IF fresh THEN
-                -- nothing new since the last window: record the empty window as read when
-                -- that raises the floor, so the next claim's probe starts above it; when the
-                -- claim began in a window that held nothing more (else every poll would read
-                -- it to its end again, and _shards_with_work would never say none); or when the
-                -- shard was read for a seal (once per seal)
-                next := outbox_internal._advance(cur, NULL, true);
-                IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) OR stale
-                   OR outbox_internal._behind_a_seal(cur, newest) THEN
-                    PERFORM outbox_internal._append(next);
-                END IF;
+                PERFORM outbox_internal._record_empty(cur, stale, newest);
                 EXIT;
             END IF;
             cur := outbox_internal._next_window(cur);
@@ -173,6 +181,73 @@ BEGIN
             EXIT WHEN taken >= batches;
         END IF;
     END LOOP;
+END
+$$;
+
+
+CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
+                                                batch_size int, lease interval, owner text,
+                                                seq_mark bigint, x xid8)
+RETURNS SETOF outbox.claimed
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    stale     boolean := cur.hi_snap IS NOT NULL;  -- as in _claim
+    fresh     boolean;
+    page      outbox.events[];
+    queued    outbox.events[];  -- the page's events of parked keys
+    mine      outbox.events[];  -- and the others
+    heads     outbox.claimed[];
+    exhausted boolean;
+    since     timestamptz;
+    until     timestamptz;
+BEGIN
+    LOOP
+        fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
+        IF cur.hi_snap IS NULL THEN
+            cur := outbox_internal._open_window(cur, seq_mark, x);
+        END IF;
+        since := outbox_internal._window_since(cur, outbox_internal._newest_seal());
+        until := outbox_internal._reach();  -- after the window's snapshot: see _reach
+        page := ARRAY(SELECT w FROM outbox_internal._window_events(cur, NULL, batch_size, since, until) AS w);
+        exhausted := cardinality(page) < batch_size;
+        -- each event's key looked up once, through _parked's key (a join planned from
+        -- statistics taken while nothing was parked compared every event with every parked key)
+        SELECT coalesce(array_agg(k.e ORDER BY (k.e).seq) FILTER (WHERE k.parked), '{}'),
+               coalesce(array_agg(k.e ORDER BY (k.e).seq) FILTER (WHERE NOT k.parked), '{}')
+          INTO queued, mine
+          FROM (SELECT e, EXISTS (SELECT FROM outbox._parked p
+                                   WHERE p.consumer_id = c.id AND p.aggregate_id = e.aggregate_id) AS parked
+                  FROM unnest(page) e) k;
+        PERFORM outbox_internal._queue_parked(c.id, queued);
+        EXIT WHEN cardinality(mine) > 0;
+        IF cardinality(page) > 0 THEN
+            -- only parked keys' events here: record that the shard moved past them, go on
+            cur := outbox_internal._advance(cur, page[cardinality(page)].seq, exhausted);
+            PERFORM outbox_internal._append(cur);
+        ELSIF fresh THEN
+            EXIT;  -- nothing new since the last window
+        ELSE
+            cur := outbox_internal._next_window(cur);
+        END IF;
+    END LOOP;
+    heads := outbox_internal._due_heads(c, cur.shard, batch_size);
+    IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
+        PERFORM outbox_internal._record_empty(cur, stale, outbox_internal._newest_seal());
+        RETURN;
+    END IF;
+    cur := outbox_internal._claimed(cur, owner, lease,
+                           CASE WHEN cardinality(page) > 0 THEN page[cardinality(page)].seq ELSE cur.after_seq END,
+                           exhausted, ARRAY(SELECT h.id FROM unnest(heads) h));
+    PERFORM outbox_internal._append(cur);
+    RETURN QUERY
+    SELECT cur.shard, cur.epoch, m.id, m.topic, m.aggregate_type, m.aggregate_id, m.event_type,
+           m.payload, m.headers, m.created_at, m.seq, 1
+      FROM unnest(mine) AS m ORDER BY m.seq;
+    RETURN QUERY
+    SELECT h.shard, cur.epoch, h.id, h.topic, h.aggregate_type, h.aggregate_id, h.event_type,
+           h.payload, h.headers, h.created_at, h.seq, h.attempt
+      FROM unnest(heads) AS h;
 END
 $$;
 
@@ -285,6 +360,7 @@ COMMENT ON FUNCTION outbox.settle_and_claim(text, int, bigint, jsonb, int, inter
 REVOKE ALL ON FUNCTION outbox_internal._shards_with_new_events(int[], bigint[], timestamptz, timestamptz),
                        outbox_internal._check_claim(int, interval, int, text),
                        outbox_internal._shards_with_work(int),
+                       outbox_internal._record_empty(outbox._cursor_log, boolean, outbox._seals),
                        outbox_internal._claim(outbox.consumers, int, interval, text, bigint, xid8, int[], int),
                        outbox_internal._claim_body(text, int, interval, text, int),
                        outbox_internal._settle_and_claim_body(text, int, bigint, jsonb, int, interval, text, int),

@@ -642,6 +642,26 @@ def test_polls_after_a_window_read_to_its_end_write_nothing(db, consumer):
     assert len(relay.claim()) == 1
 
 
+def test_polls_while_a_key_waits_out_its_backoff_write_nothing(db, consumer):
+    """As above, in a shard with a parked key: the batch fills its limit and one of its keys
+    fails for an hour; the claim that finds nothing more records the empty window, and the polls
+    after it are idle ones, not a claim of the shard each time."""
+    a, b = keys_in_shard(db, 3, 2)
+    emit(db, a, 3)
+    emit(db, b, 2)
+    relay = Relay(db, consumer, batch_size=5)
+    batch = relay.claim()
+    assert len(batch) == 5
+    relay.settle(3, batch[0].epoch, [Relay.failure(batch[0], "down", retry_after="1 hour")])
+    assert relay.claim() == []          # reads the rest of the window: nothing
+    for _ in range(3):
+        with db.transaction():
+            assert db.execute("SELECT count(*) FROM outbox.claim('sink', 5)").fetchone()[0] == 0
+            assert db.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None
+    emit(db, b)
+    assert [e.aggregate_id for e in relay.claim()] == [b]
+
+
 def test_a_parked_key_coming_due_is_claimed_with_no_new_event(db, consumer):
     emit(db, "k")
     relay = Relay(db, consumer)
