@@ -34,6 +34,10 @@ struct Sink {
     stamp: String,
     /// Events per claim: batch_size, less when events are big (see BATCH_BYTES).
     batch_limit: i32,
+    /// Shards one claim may take (one per free slot at most): as many batches as fit
+    /// BATCH_BYTES together at the size of the events just seen; 1 until a batch was seen, so
+    /// that no claim holds several batches of events of unknown size at once.
+    claim_shards: i32,
     health: Health,
     /// Suspensions not yet written to outbox._sink_stats; the state changed since the last write.
     new_suspensions: i64,
@@ -239,6 +243,7 @@ impl Delivery {
                     name,
                     Sink {
                         batch_limit: client.config.batch_size,
+                        claim_shards: 1,
                         client,
                         stamp: row.stamp,
                         health: Health::default(),
@@ -275,7 +280,8 @@ impl Delivery {
                     // than one claim per event, fewer claims
                     false => (
                         sink.batch_limit,
-                        free_slots(config.concurrency, self.pool.in_flight(name)),
+                        free_slots(config.concurrency, self.pool.in_flight(name))
+                            .min(sink.claim_shards),
                     ),
                 };
                 match queries::claim(config, &sink.stamp, limit, lease(config), shards) {
@@ -288,7 +294,8 @@ impl Delivery {
                                     one_key(&batch) && nothing_else_to_claim(config, &sink.stamp);
                                 sink.health.probe_sent(&batch, lone);
                             } else {
-                                sink.batch_limit = batch_limit(config.batch_size, &batch.events);
+                                (sink.batch_limit, sink.claim_shards) =
+                                    claim_size(config.batch_size, &batch.events);
                             }
                             self.pool.submit(Arc::clone(&sink.client), batch, probe);
                         }
@@ -348,7 +355,8 @@ impl Delivery {
             Judgement::Settle(verdicts) if keeping_up => {
                 let config = &sink.client.config;
                 // the settled batch's slot and the others free
-                let free = free_slots(config.concurrency, self.pool.in_flight(&done.batch.sink));
+                let free = free_slots(config.concurrency, self.pool.in_flight(&done.batch.sink))
+                    .min(sink.claim_shards);
                 queries::settle_and_claim(
                     &done.batch,
                     verdicts,
@@ -365,7 +373,8 @@ impl Delivery {
                 })
                 .map(|(settled, next)| {
                     for next in next {
-                        sink.batch_limit = batch_limit(config.batch_size, &next.events);
+                        (sink.batch_limit, sink.claim_shards) =
+                            claim_size(config.batch_size, &next.events);
                         self.pool.submit(Arc::clone(&sink.client), next, false);
                     }
                     settled
@@ -447,8 +456,9 @@ impl Delivery {
     }
 }
 
-/// The next claim's size: batch_size, or fewer events of the size just seen to fit BATCH_BYTES.
-fn batch_limit(batch_size: i32, events: &[crate::sinks::Event]) -> i32 {
+/// The next claim's size: batch_size events, or fewer of the size just seen to fit BATCH_BYTES;
+/// and how many shards' batches of that size fit BATCH_BYTES together (at least one).
+fn claim_size(batch_size: i32, events: &[crate::sinks::Event]) -> (i32, i32) {
     let bytes: usize = events
         .iter()
         .map(|e| {
@@ -458,7 +468,9 @@ fn batch_limit(batch_size: i32, events: &[crate::sinks::Event]) -> i32 {
         })
         .sum();
     let per_event = (bytes / events.len().max(1)).max(1);
-    ((BATCH_BYTES / per_event).max(1) as i32).min(batch_size)
+    let limit = ((BATCH_BYTES / per_event).max(1) as i32).min(batch_size.max(1));
+    let shards = (BATCH_BYTES / (per_event * limit as usize)).clamp(1, i32::MAX as usize);
+    (limit, shards as i32)
 }
 
 /// Logs a sink's change of state once (not once per request) and tells the metrics.
@@ -534,5 +546,39 @@ fn nothing_else_to_claim(config: &Config, stamp: &str) -> bool {
             false
         }
         Err(_) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sinks::test_event;
+
+    fn events(n: usize, payload_bytes: usize) -> Vec<crate::sinks::Event> {
+        (0..n)
+            .map(|i| crate::sinks::Event {
+                payload: Some("x".repeat(payload_bytes)),
+                headers: None,
+                ..test_event(&i.to_string())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn small_events_let_one_claim_take_several_shards() {
+        let (limit, shards) = claim_size(100, &events(10, 100));
+        assert_eq!(limit, 100);
+        assert!(shards > 64, "{shards}");
+    }
+
+    #[test]
+    fn big_events_keep_one_claim_within_batch_bytes() {
+        // 1 MB events: 8 to a batch, and one batch per claim
+        assert_eq!(claim_size(1000, &events(3, 1024 * 1024)), (7, 1));
+        // 200 kB events, batches of 10: four shards' batches fit 8 MB together
+        let (limit, shards) = claim_size(10, &events(3, 200 * 1024));
+        assert_eq!(limit, 10);
+        assert_eq!(shards, 4);
+        assert!(limit as usize * shards as usize * 200 * 1024 <= BATCH_BYTES);
     }
 }
