@@ -472,6 +472,28 @@ def test_a_shard_with_a_parked_key_hands_out_the_others_in_commit_order(db, cons
     assert [r[0] for r in queued] == list(range(9)), "a's events queue in order"
 
 
+@pytest.mark.parametrize("parked", [2, 7])
+def test_a_page_is_sorted_by_parked_keys_whether_they_are_few_or_many(db, consumer, parked):
+    """A claim of a shard with parked keys reads their keys once when they are no more than a
+    page (batch_size 5), and looks each event's key up otherwise: either way the page's events
+    of parked keys join their queues, in order, and only the others go out, in commit order."""
+    keys = keys_in_shard(db, 3, parked + 3)
+    stuck, free = keys[:parked], keys[parked:]
+    relay = Relay(db, consumer, batch_size=5)
+    for key in stuck:
+        emit(db, key, payload={"i": 0})
+    first = Relay(db, consumer, batch_size=100).claim()
+    relay.settle(3, first[0].epoch, [Relay.failure(e, "down", retry_after="1 hour") for e in first])
+    for i in range(1, 4):
+        for key in keys:
+            emit(db, key, payload={"i": i})
+    out = [(e.aggregate_id, e.payload["i"]) for e in relay.drain()]
+    assert out == [(key, i) for i in range(1, 4) for key in free]
+    queued = db.execute("SELECT aggregate_id, (payload->>'i')::int FROM outbox._parked_events ORDER BY pos").fetchall()
+    assert sorted(queued, key=lambda r: (stuck.index(r[0]), r[1])) == [(k, i) for k in stuck for i in range(4)]
+    assert [r for r in queued if r[0] == stuck[0]] == [(stuck[0], i) for i in range(4)], "each key's queue in order"
+
+
 def test_a_claim_with_nothing_to_read_locks_nothing_and_writes_nothing(db, connect, consumer):
     """An idle relay's poll: no xid, no shard row locked, no mark or cursor row written, so it
     costs no WAL and no commit; events and parked keys are still found at once."""
