@@ -271,7 +271,8 @@ BEGIN
                                                 WHERE h.consumer_id = c.id AND h.id = out.id)
                                          FROM unnest(cur.heads) AS out(id)))
                AND NOT EXISTS (SELECT FROM unnest(failed, failed_at) f(key, pos)  -- pos unknown:
-                                WHERE f.key = q.aggregate_id AND q.pos >= coalesce(f.pos, 0))  -- nacked before 0.23.0
+                                WHERE f.key = q.aggregate_id AND q.pos >= coalesce(f.pos, 0)  -- nacked before 0.23.0
+                               OFFSET 0)  -- a filter: as a join, it could read the queues in key order
             RETURNING q.aggregate_id)
         SELECT array_agg(DISTINCT d.aggregate_id) FILTER (WHERE d.aggregate_id <> ALL (coalesce(failed, '{}'))),
                array_agg(DISTINCT d.aggregate_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 
 from support.db import keys_in_shard
+from support.events import emit
 from support.relay import Relay
 
 
@@ -41,6 +42,44 @@ def test_a_sessions_claims_stay_index_walks_as_cursor_history_grows(db):
     relay.settle(batch[0].shard, batch[0].epoch)
     read = pages_read(db, "outbox._cursor_log") - before
     assert read < 100, f"a claim and a settle read {read} of the cursor log's {size} pages (a few a shard: not its history)"
+
+
+def test_a_sessions_settles_of_parked_keys_stay_lookups_as_the_queues_grow(db):
+    """Plans made while the parking tables were tiny (a few hundred rows look like one row to
+    the planner) keep looking each parked key and queued event up, not reading all of a
+    consumer's queue for each, once the queues have grown under them."""
+    db.execute("SELECT outbox.create_consumer('sink')")
+    relay = Relay(db, "sink", batch_size=10)
+    key = keys_in_shard(db, 3, 1)[0]
+
+    def fail_once_then_catch_up():
+        """key parked with 3 events queued; its head fails again (the heads kept back), then
+        goes through (delivered heads leave the queue) and the key unparks (its queue empty)"""
+        emit(db, key, 3)
+        batch = relay.claim()
+        relay.settle(batch[0].shard, batch[0].epoch, [Relay.failure(batch[0], "down", retry_after="0")])
+        for deliver in (lambda e: False, lambda e: True, lambda e: True):
+            relay.step(deliver, retry_after="0")
+        assert db.execute("SELECT count(*) FROM outbox._parked WHERE aggregate_id = %s", (key,)).fetchone()[0] == 0
+
+    db.execute("VACUUM ANALYZE outbox._parked")
+    db.execute("VACUUM ANALYZE outbox._parked_events")   # as autovacuum does: "they are tiny"
+    for _ in range(6):   # the session plans its statements while they are
+        fail_once_then_catch_up()
+    # then other keys of the consumer park, with long queues, for a day
+    db.execute("""INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+                  SELECT c.id, 'far' || g, outbox.shard_of('far' || g), now() + interval '1 day'
+                    FROM outbox.consumers c, generate_series(1, 1000) g""")
+    db.execute("""INSERT INTO outbox._parked_events (consumer_id, aggregate_id, id, aggregate_type, event_type,
+                                                     payload, created_at, seq)
+                  SELECT c.id, 'far' || (g % 1000 + 1), gen_random_uuid(), 'order', 'e', '{}', now(), g
+                    FROM outbox.consumers c, generate_series(1, 30000) g""")
+    size = db.execute("SELECT pg_relation_size('outbox._parked_events') / 8192").fetchone()[0]
+    assert size > 200
+    before = pages_read(db, "outbox._parked_events")
+    fail_once_then_catch_up()
+    read = pages_read(db, "outbox._parked_events") - before
+    assert read < 100, f"one key failing once read {read} of the queues' {size} pages"
 
 
 def test_status_counts_exactly_up_to_five_hundred_per_shard_and_estimates_beyond(db):
