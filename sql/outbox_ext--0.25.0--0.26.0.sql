@@ -9,7 +9,10 @@
 -- small could take one index for a lookup meant for another, and read all of a consumer's rows
 -- for each row it looked up (in some sessions a drain with 5% of its events failing ran at a
 -- sixth of its rate); none leads with it now, and the delete of a settle's delivered heads
--- checks the failed keys as a filter, which cannot be planned as a read of every queue.
+-- checks the failed keys as a filter, which cannot be planned as a read of every queue. Those
+-- plans were made once per session, often while the tables were empty (to the planner: one
+-- row, and any index as good as another); each time a parking table has doubled in pages, its
+-- plans are now made again (_replan_when_grown, src/replan.rs).
 --
 -- A delta: what changed from 0.25.0 to 0.26.0, rerunnable.
 
@@ -41,6 +44,126 @@ BEGIN
     END IF;
 END
 $keys$;
+
+CREATE OR REPLACE FUNCTION outbox_internal._replan_when_grown(rel regclass) RETURNS void
+    LANGUAGE c VOLATILE STRICT AS 'MODULE_PATHNAME', 'outbox_replan_when_grown';
+REVOKE ALL ON FUNCTION outbox_internal._replan_when_grown(regclass) FROM PUBLIC;
+
+CREATE OR REPLACE FUNCTION outbox_internal._queue_parked(consumer_id int, events outbox.events[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+#variable_conflict use_column
+BEGIN
+    INSERT INTO outbox._parked_events AS q (consumer_id, aggregate_id, id, topic, aggregate_type,
+                                            event_type, payload, headers, created_at, seq)
+    SELECT _queue_parked.consumer_id, e.aggregate_id, e.id, e.topic, e.aggregate_type,
+           e.event_type, e.payload, e.headers, e.created_at, e.seq
+      FROM unnest(events) AS e
+     ORDER BY e.seq
+    ON CONFLICT (consumer_id, id) DO NOTHING;
+    PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
+END
+$$;
+
+
+CREATE OR REPLACE FUNCTION outbox_internal._fail_keys(c outbox.consumers, cur outbox._cursor_log,
+                                             batch outbox.events[], firsts outbox_internal._failure[]) RETURNS int
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    fresh  outbox_internal._failure[];  -- the keys not failed in this batch before
+    early  uuid;
+    parked text[];
+    kept   int;
+BEGIN
+    -- where each key failed in this batch before, if it did: a head's key by its record, a
+    -- window event's key by its events of the batch already queued or dead-lettered
+    WITH before AS (
+        SELECT f, CASE WHEN f.head THEN
+                   (SELECT p.nacked_pos FROM outbox._parked p
+                     WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id
+                       AND p.nacked_epoch = cur.epoch)
+               ELSE (SELECT min(x.seq) FROM unnest(batch) b
+                      CROSS JOIN LATERAL (
+                          SELECT q.seq FROM outbox._parked_events q
+                           WHERE q.consumer_id = c.id AND q.id = b.id
+                          UNION ALL
+                          SELECT d.seq FROM outbox.dead_letters d
+                           WHERE d.consumer = c.name AND d.aggregate_id = b.aggregate_id AND d.event_id = b.id) x
+                      WHERE b.aggregate_id = f.aggregate_id)
+               END AS failed_from
+          FROM unnest(firsts) f)
+    SELECT (SELECT (b.f).event_id FROM before b WHERE (b.f).seq < b.failed_from LIMIT 1),
+           ARRAY(SELECT b.f FROM before b WHERE b.failed_from IS NULL)
+      INTO early, fresh;
+    IF early IS NOT NULL THEN
+        RAISE EXCEPTION 'event % comes before an event of its key already reported failed in this batch', early
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Report a key''s failures in batch order, or all at once with outbox.settle.';
+    END IF;
+    kept := (SELECT count(*) FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
+              WHERE NOT f.head AND b.seq >= f.seq);
+    IF EXISTS (SELECT FROM unnest(fresh) f WHERE f.head) THEN
+        -- the heads from each failed one on, each head looked up by its id (see _deliver_rest)
+        kept := kept + (SELECT count(*) FROM unnest(cur.heads) AS out(id)
+                         WHERE EXISTS (SELECT FROM outbox._parked_events h JOIN unnest(fresh) f
+                                           ON f.head AND f.aggregate_id = h.aggregate_id AND h.pos >= f.seq
+                                        WHERE h.consumer_id = c.id AND h.id = out.id OFFSET 0));
+    END IF;
+    -- window events park their keys; a key parked meanwhile (a replay) keeps its record: its
+    -- events wait behind its queue, nothing counted
+    WITH made AS (
+        INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+        SELECT c.id, f.aggregate_id, cur.shard, now() FROM unnest(fresh) f WHERE NOT f.head
+        ON CONFLICT DO NOTHING
+        RETURNING aggregate_id)
+    SELECT array_agg(m.aggregate_id) INTO parked FROM made m;
+    PERFORM outbox_internal._replan_when_grown('outbox._parked');
+    PERFORM outbox_internal._queue_parked(c.id, ARRAY(
+        SELECT b FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
+         WHERE NOT f.head AND b.seq >= f.seq ORDER BY b.seq));
+    PERFORM outbox_internal._keys_failed(c, ARRAY(SELECT f FROM unnest(fresh) f
+                                                   WHERE f.head OR f.aggregate_id = ANY (parked)),
+                                         cur.epoch);
+    RETURN kept;
+END
+$$;
+
+
+CREATE OR REPLACE FUNCTION outbox_internal._deliver_rest(c outbox.consumers, cur outbox._cursor_log) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    failed    text[];    -- keys failed in this batch
+    failed_at bigint[];  -- and the queue position each failed at
+    through   text[];    -- keys whose heads all went through: their next heads are due at once
+    touched   text[];    -- keys that lost heads: unparked if their queues are now empty
+BEGIN
+    IF cardinality(cur.heads) > 0 THEN
+        SELECT array_agg(p.aggregate_id), array_agg(p.nacked_pos) INTO failed, failed_at
+          FROM outbox._parked p
+         WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch;
+        WITH delivered AS (
+            DELETE FROM outbox._parked_events q
+             WHERE q.ctid = ANY (ARRAY(SELECT (SELECT h.ctid FROM outbox._parked_events h
+                                                WHERE h.consumer_id = c.id AND h.id = out.id)
+                                         FROM unnest(cur.heads) AS out(id)))
+               AND NOT EXISTS (SELECT FROM unnest(failed, failed_at) f(key, pos)  -- pos unknown:
+                                WHERE f.key = q.aggregate_id AND q.pos >= coalesce(f.pos, 0)  -- nacked before 0.23.0
+                               OFFSET 0)  -- a filter: as a join, it could read the queues in key order
+            RETURNING q.aggregate_id)
+        SELECT array_agg(DISTINCT d.aggregate_id) FILTER (WHERE d.aggregate_id <> ALL (coalesce(failed, '{}'))),
+               array_agg(DISTINCT d.aggregate_id)
+          INTO through, touched
+          FROM delivered d;
+        UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
+         WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (through);
+        PERFORM outbox_internal._unpark_emptied(c.id, touched);
+    END IF;
+    PERFORM outbox_internal._append(outbox_internal._advance(cur, cur.batch_end, cur.exhausted));
+END
+$$;
+
 
 CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
                                                 batch_size int, lease interval, owner text,
@@ -121,37 +244,40 @@ END
 $$;
 
 
-CREATE OR REPLACE FUNCTION outbox_internal._deliver_rest(c outbox.consumers, cur outbox._cursor_log) RETURNS void
-    LANGUAGE plpgsql VOLATILE
+CREATE OR REPLACE FUNCTION outbox.replay(consumer text, aggregate_id text DEFAULT NULL) RETURNS int
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    failed    text[];    -- keys failed in this batch
-    failed_at bigint[];  -- and the queue position each failed at
-    through   text[];    -- keys whose heads all went through: their next heads are due at once
-    touched   text[];    -- keys that lost heads: unparked if their queues are now empty
+    c outbox.consumers := outbox_internal._consumer(consumer);
+    n int;
 BEGIN
-    IF cardinality(cur.heads) > 0 THEN
-        SELECT array_agg(p.aggregate_id), array_agg(p.nacked_pos) INTO failed, failed_at
-          FROM outbox._parked p
-         WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch;
-        WITH delivered AS (
-            DELETE FROM outbox._parked_events q
-             WHERE q.ctid = ANY (ARRAY(SELECT (SELECT h.ctid FROM outbox._parked_events h
-                                                WHERE h.consumer_id = c.id AND h.id = out.id)
-                                         FROM unnest(cur.heads) AS out(id)))
-               AND NOT EXISTS (SELECT FROM unnest(failed, failed_at) f(key, pos)  -- pos unknown:
-                                WHERE f.key = q.aggregate_id AND q.pos >= coalesce(f.pos, 0)  -- nacked before 0.23.0
-                               OFFSET 0)  -- a filter: as a join, it could read the queues in key order
-            RETURNING q.aggregate_id)
-        SELECT array_agg(DISTINCT d.aggregate_id) FILTER (WHERE d.aggregate_id <> ALL (coalesce(failed, '{}'))),
-               array_agg(DISTINCT d.aggregate_id)
-          INTO through, touched
-          FROM delivered d;
-        UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
-         WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (through);
-        PERFORM outbox_internal._unpark_emptied(c.id, touched);
+    -- Hold every shard of the consumer so no ack unparks a key while we queue into it.
+    PERFORM FROM outbox._shards s WHERE s.consumer_id = c.id ORDER BY s.shard FOR UPDATE;
+    IF NOT FOUND THEN  -- dropped while we waited: its name's dead letters may be another's now
+        RAISE EXCEPTION 'consumer "%" does not exist', consumer
+            USING ERRCODE = 'undefined_object',
+                  HINT = 'It was dropped while outbox.replay waited for its shards.';
     END IF;
-    PERFORM outbox_internal._append(outbox_internal._advance(cur, cur.batch_end, cur.exhausted));
+    INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+    SELECT DISTINCT c.id, d.aggregate_id, outbox.shard_of(d.aggregate_id), now()
+      FROM outbox.dead_letters d
+     WHERE d.consumer = c.name AND (replay.aggregate_id IS NULL OR d.aggregate_id = replay.aggregate_id)
+    ON CONFLICT DO NOTHING;
+    WITH moved AS (
+        DELETE FROM outbox.dead_letters d
+         WHERE d.consumer = c.name AND (replay.aggregate_id IS NULL OR d.aggregate_id = replay.aggregate_id)
+        RETURNING d.*)
+    INSERT INTO outbox._parked_events (consumer_id, aggregate_id, id, topic, aggregate_type,
+                                       event_type, payload, headers, created_at, seq)
+    SELECT c.id, m.aggregate_id, m.event_id, m.topic, m.aggregate_type, m.event_type, m.payload,
+           m.headers, m.created_at, m.seq
+      FROM moved m ORDER BY m.id
+    ON CONFLICT (consumer_id, id) DO NOTHING;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    PERFORM outbox_internal._replan_when_grown('outbox._parked');
+    PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
+    RETURN n;
 END
 $$;
 

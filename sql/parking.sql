@@ -103,6 +103,11 @@ EXCEPTION WHEN duplicate_object THEN NULL;  -- rerun: the type is there
 END
 $type$;
 
+-- A parking table's cached plans made again when it has doubled in pages (src/replan.rs says
+-- why); called after each insert into one.
+CREATE OR REPLACE FUNCTION outbox_internal._replan_when_grown(rel regclass) RETURNS void
+    LANGUAGE c VOLATILE STRICT AS 'MODULE_PATHNAME', 'outbox_replan_when_grown';
+
 CREATE OR REPLACE FUNCTION outbox_internal._backoff(c outbox.consumers, attempts int) RETURNS interval
     LANGUAGE sql VOLATILE
     RETURN least(c.backoff_max, c.backoff_base * power(2, least(attempts - 1, 30)))
@@ -189,6 +194,7 @@ BEGIN
       FROM unnest(events) AS e
      ORDER BY e.seq
     ON CONFLICT (consumer_id, id) DO NOTHING;
+    PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
 END
 $$;
 

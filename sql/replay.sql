@@ -39,6 +39,8 @@ BEGIN
       FROM moved m ORDER BY m.id
     ON CONFLICT (consumer_id, id) DO NOTHING;
     GET DIAGNOSTICS n = ROW_COUNT;
+    PERFORM outbox_internal._replan_when_grown('outbox._parked');
+    PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
     RETURN n;
 END
 $$;

@@ -181,6 +181,7 @@ BEGIN
         ON CONFLICT DO NOTHING
         RETURNING aggregate_id)
     SELECT array_agg(m.aggregate_id) INTO parked FROM made m;
+    PERFORM outbox_internal._replan_when_grown('outbox._parked');
     PERFORM outbox_internal._queue_parked(c.id, ARRAY(
         SELECT b FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
          WHERE NOT f.head AND b.seq >= f.seq ORDER BY b.seq));

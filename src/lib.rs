@@ -20,6 +20,7 @@ mod claim;
 mod emit;
 mod errors;
 mod gucs;
+mod replan;
 mod roles;
 mod sinks;
 mod threads;

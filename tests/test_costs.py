@@ -82,6 +82,36 @@ def test_a_sessions_settles_of_parked_keys_stay_lookups_as_the_queues_grow(db):
     assert read < 100, f"one key failing once read {read} of the queues' {size} pages"
 
 
+def test_plans_made_while_nothing_was_parked_are_made_again_as_keys_park(db):
+    """A session's first failure plans settle while the parking tables are empty (one row, to
+    the planner, which then takes any index for any lookup); once thousands of keys have
+    parked, a settle still looks its failed key up, not reading every parked key: a parking
+    table's plans are made again as it grows."""
+    db.execute("SELECT outbox.create_consumer('sink')")
+    db.execute("VACUUM ANALYZE outbox._parked")
+    db.execute("VACUUM ANALYZE outbox._parked_events")
+    keys = [r[0] for r in db.execute("SELECT k FROM (SELECT 'p' || g AS k FROM generate_series(1, 200000) g) s "
+                                     "WHERE outbox.shard_of(k) = 5 LIMIT 6001").fetchall()]
+    relay = Relay(db, "sink", batch_size=10000)
+
+    def fail_all(keys: list[str]) -> int:
+        """one event of each key claimed and failed, due in a day; pages of _parked settle read"""
+        db.execute("SELECT count(*) FROM outbox.emit_many('order', 'e', %s, array_fill('{}'::jsonb, ARRAY[%s]))",
+                   (keys, len(keys)))
+        batch = relay.claim()
+        assert len(batch) == len(keys)
+        before = pages_read(db, "outbox._parked")
+        relay.settle(5, batch[0].epoch, [Relay.failure(e, "down", retry_after="1 day") for e in batch])
+        return pages_read(db, "outbox._parked") - before
+
+    fail_all(keys[:1])   # planned with nothing parked
+    fail_all(keys[1:6000])
+    size = db.execute("SELECT pg_relation_size('outbox._parked') / 8192").fetchone()[0]
+    assert size > 50
+    read = fail_all(keys[6000:])
+    assert read < 10, f"a settle failing one key read {read} of the {size} pages of parked keys"
+
+
 def test_status_counts_exactly_up_to_five_hundred_per_shard_and_estimates_beyond(db):
     db.execute("SELECT outbox.create_consumer('sink')")
 
