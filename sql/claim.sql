@@ -332,10 +332,12 @@ END
 $$;
 
 -- _claim for a shard with parked keys: the page's events of parked keys join their queues
--- instead of going out (the shard moves past pages that hold only those), and the batch also
--- holds the due heads (_due_heads: at most batch_size more). Nothing (and no claim row) when
--- neither is left; then the empty window is recorded as _claim records it (_record_empty),
--- so that polls while the shard's keys wait out their backoff stay idle.
+-- instead of going out (the shard moves past pages that hold only those, one such page per
+-- claim when some key is due), and the batch also holds the due heads (_due_heads: at most
+-- batch_size more). A page that holds only events of keys catching up is left where it is
+-- while their queues go out. Nothing (and no claim row) when neither is left; then the empty
+-- window is recorded as _claim records it (_record_empty), so that polls while the shard's
+-- keys wait out their backoff stay idle.
 CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
                                                 batch_size int, lease interval, owner text,
                                                 seq_mark bigint, x xid8)
@@ -355,6 +357,8 @@ DECLARE
     mine      outbox.events[];  -- and the others
     heads     outbox.claimed[];
     exhausted boolean;
+    all_due     boolean;  -- a page of parked keys' events only: are all their keys due,
+    catching_up boolean;  -- and all catching up?
     since     timestamptz;
     until     timestamptz;
 BEGIN
@@ -382,12 +386,35 @@ BEGIN
                                ELSE keys ? e.aggregate_id END AS parked
                   FROM unnest(page) e
                 OFFSET 0) k;  -- parked worked out once per event, not once per FILTER
+        IF cardinality(mine) = 0 AND cardinality(page) > 0 THEN
+            -- only parked keys' events here: are all their keys due, and all catching up (due,
+            -- their last head through, events queued)?
+            SELECT bool_and(p.next_attempt_at <= now()),
+                   bool_and(p.next_attempt_at <= now() AND p.attempts = 0
+                            AND EXISTS (SELECT FROM outbox._parked_events q
+                                         WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id))
+              INTO all_due, catching_up
+              FROM (SELECT DISTINCT q.aggregate_id FROM unnest(queued) q) k
+             CROSS JOIN LATERAL (SELECT p.* FROM outbox._parked p
+                                  WHERE p.aggregate_id = k.aggregate_id AND p.consumer_id = c.id) p;
+            IF catching_up THEN
+                -- the page waits until their queues, handed out below, are empty and they flow
+                -- with the shard again: not copied into the queues and out again (#38: a hot key)
+                page := '{}';
+                exhausted := false;  -- the window is not read to its end: the page is still to read
+                EXIT;
+            END IF;
+        END IF;
         PERFORM outbox_internal._queue_parked(c.id, queued);
         EXIT WHEN cardinality(mine) > 0;
         IF cardinality(page) > 0 THEN
-            -- only parked keys' events here: record that the shard moved past them, go on
+            -- record that the shard moved past the page; go on to the next, unless its keys
+            -- are all due: their heads make this batch, and the shard moves past a page of them
+            -- per claim, not all their events at once (not when the page ended the window,
+            -- which the batch's claim row must be in)
             cur := outbox_internal._advance(cur, page[cardinality(page)].seq, exhausted);
             PERFORM outbox_internal._append(cur);
+            EXIT WHEN all_due AND NOT exhausted;
         ELSIF fresh THEN
             EXIT;  -- nothing new since the last window
         ELSE

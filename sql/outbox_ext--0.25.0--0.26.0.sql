@@ -12,7 +12,10 @@
 -- checks the failed keys as a filter, which cannot be planned as a read of every queue. Those
 -- plans were made once per session, often while the tables were empty (to the planner: one
 -- row, and any index as good as another); each time a parking table has doubled in pages, its
--- plans are now made again (_replan_when_grown, src/replan.rs).
+-- plans are now made again (_replan_when_grown, src/replan.rs). And a hot key failing once had
+-- its whole backlog copied into its queue by the next claim, and out again: a claim now moves
+-- past at most one page of keys that are all due, and leaves a page of keys catching up in the
+-- log until their queues are empty.
 --
 -- A delta: what changed from 0.25.0 to 0.26.0, rerunnable.
 
@@ -184,6 +187,8 @@ DECLARE
     mine      outbox.events[];  -- and the others
     heads     outbox.claimed[];
     exhausted boolean;
+    all_due     boolean;  -- a page of parked keys' events only: are all their keys due,
+    catching_up boolean;  -- and all catching up?
     since     timestamptz;
     until     timestamptz;
 BEGIN
@@ -211,12 +216,35 @@ BEGIN
                                ELSE keys ? e.aggregate_id END AS parked
                   FROM unnest(page) e
                 OFFSET 0) k;  -- parked worked out once per event, not once per FILTER
+        IF cardinality(mine) = 0 AND cardinality(page) > 0 THEN
+            -- only parked keys' events here: are all their keys due, and all catching up (due,
+            -- their last head through, events queued)?
+            SELECT bool_and(p.next_attempt_at <= now()),
+                   bool_and(p.next_attempt_at <= now() AND p.attempts = 0
+                            AND EXISTS (SELECT FROM outbox._parked_events q
+                                         WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id))
+              INTO all_due, catching_up
+              FROM (SELECT DISTINCT q.aggregate_id FROM unnest(queued) q) k
+             CROSS JOIN LATERAL (SELECT p.* FROM outbox._parked p
+                                  WHERE p.aggregate_id = k.aggregate_id AND p.consumer_id = c.id) p;
+            IF catching_up THEN
+                -- the page waits until their queues, handed out below, are empty and they flow
+                -- with the shard again: not copied into the queues and out again (#38: a hot key)
+                page := '{}';
+                exhausted := false;  -- the window is not read to its end: the page is still to read
+                EXIT;
+            END IF;
+        END IF;
         PERFORM outbox_internal._queue_parked(c.id, queued);
         EXIT WHEN cardinality(mine) > 0;
         IF cardinality(page) > 0 THEN
-            -- only parked keys' events here: record that the shard moved past them, go on
+            -- record that the shard moved past the page; go on to the next, unless its keys
+            -- are all due: their heads make this batch, and the shard moves past a page of them
+            -- per claim, not all their events at once (not when the page ended the window,
+            -- which the batch's claim row must be in)
             cur := outbox_internal._advance(cur, page[cardinality(page)].seq, exhausted);
             PERFORM outbox_internal._append(cur);
+            EXIT WHEN all_due AND NOT exhausted;
         ELSIF fresh THEN
             EXIT;  -- nothing new since the last window
         ELSE

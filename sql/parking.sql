@@ -6,8 +6,10 @@
 -- jitter; after max_attempts it goes to outbox.dead_letters and the key moves on. Once the head
 -- goes through, the key catches up: its queue goes out in order, batches of it at a time (a
 -- claim's share, sql/claim.sql: _due_heads), and when the queue is empty the key is unparked
--- and flows with its shard again. A failure the sink never judged (settle's "attempted":
--- false) parks the key the same way without counting an attempt.
+-- and flows with its shard again; meanwhile a page of the shard that holds only events of keys
+-- catching up waits in the log, not copied into their queues (_claim_parked). A failure the
+-- sink never judged (settle's "attempted": false) parks the key the same way without counting
+-- an attempt.
 --
 -- Owns: outbox._parked, outbox._parked_events, outbox.dead_letters, outbox_internal._failure.
 -- Keeps: a key's queued events are its undelivered events, in order; only a transaction that

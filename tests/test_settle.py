@@ -389,6 +389,30 @@ def test_a_hot_key_catches_up_and_unparks_while_its_producer_keeps_emitting(db, 
     assert delivered == list(range(n)), "in order, none missing"
 
 
+def test_a_hot_key_failing_once_leaves_its_backlog_in_the_log(db, relay):
+    """A hot key with a backlog fails once: its queue takes the failed batch's events and at
+    most a page more, not the backlog (the backlog waits in the log until the queue is empty
+    and the key flows with its shard again), and the backlog drains in full batches, in order,
+    with about as many claims as without the failure."""
+    hot, other = keys_in_shard(db, 3, 2)
+    relay.batch_size = 20
+    emit_many(db, hot, 0, 200)
+    db.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (other,))
+    batch = relay.claim()
+    relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(batch[0], "HTTP 503", retry_after="0")])
+    delivered, claims = [], 0
+    while batch := relay.claim():
+        claims += 1
+        relay.settle(batch[0].shard, batch[0].epoch)
+        delivered += [e.payload["i"] for e in batch if e.aggregate_id == hot]
+    assert delivered == list(range(200)), "in order, none missing"
+    db.execute("SELECT pg_stat_force_next_flush()")
+    queued = db.execute("SELECT pg_stat_clear_snapshot(), n_tup_ins FROM pg_stat_user_tables "
+                        "WHERE relid = 'outbox._parked_events'::regclass").fetchone()[1]
+    assert queued <= 2 * relay.batch_size, f"{queued} events of the hot key copied into its queue"
+    assert claims <= 200 // relay.batch_size + 3, f"{claims} claims"
+
+
 def test_a_failure_inside_a_catching_up_keys_queue_counts_against_that_event(db, relay):
     """A key catching up hands out several events of its queue; the third fails: the first two
     went through and leave the queue, the third is the head now with one attempt counted, the
