@@ -334,8 +334,8 @@ $$;
 -- _claim for a shard with parked keys: the page's events of parked keys join their queues
 -- instead of going out (the shard moves past pages that hold only those, one such page per
 -- claim when some key is due), and the batch also holds the due heads (_due_heads: at most
--- batch_size more). A page that holds only events of keys catching up is left where it is
--- while their queues go out. Nothing (and no claim row) when neither is left; then the empty
+-- batch_size more). A page that holds only events of keys catching up (their last head went
+-- through) is left where it is while their queues go out. Nothing (and no claim row) when neither is left; then the empty
 -- window is recorded as _claim records it (_record_empty), so that polls while the shard's
 -- keys wait out their backoff stay idle.
 CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
@@ -359,6 +359,7 @@ DECLARE
     exhausted boolean;
     all_due     boolean;  -- a page of parked keys' events only: are all their keys due,
     catching_up boolean;  -- and all catching up?
+    held        boolean := false;  -- such a page left to read once their queues are out
     since     timestamptz;
     until     timestamptz;
 BEGIN
@@ -387,14 +388,18 @@ BEGIN
                   FROM unnest(page) e
                 OFFSET 0) k;  -- parked worked out once per event, not once per FILTER
         IF cardinality(mine) = 0 AND cardinality(page) > 0 THEN
-            -- only parked keys' events here: are all their keys due, and all catching up (due,
-            -- their last head through, events queued)?
-            SELECT bool_and(p.next_attempt_at <= now()),
-                   bool_and(p.next_attempt_at <= now() AND p.attempts = 0
+            -- only parked keys' events here: are all their keys due at their first retry at
+            -- most, and are all catching up (due, their last head through, events queued, and
+            -- none of the page's queued already by a claim given back)?
+            SELECT bool_and(p.next_attempt_at <= now() AND p.attempts <= 1),
+                   bool_and(p.next_attempt_at <= now() AND p.head_through
                             AND EXISTS (SELECT FROM outbox._parked_events q
-                                         WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id))
+                                         WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id)
+                            AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                                             WHERE q.id = k.first_id AND q.consumer_id = c.id))
               INTO all_due, catching_up
-              FROM (SELECT DISTINCT q.aggregate_id FROM unnest(queued) q) k
+              FROM (SELECT DISTINCT ON (q.aggregate_id) q.aggregate_id, q.id AS first_id
+                      FROM unnest(queued) q ORDER BY q.aggregate_id, q.seq) k
              CROSS JOIN LATERAL (SELECT p.* FROM outbox._parked p
                                   WHERE p.aggregate_id = k.aggregate_id AND p.consumer_id = c.id) p;
             IF catching_up THEN
@@ -402,6 +407,7 @@ BEGIN
                 -- with the shard again: not copied into the queues and out again (#38: a hot key)
                 page := '{}';
                 exhausted := false;  -- the window is not read to its end: the page is still to read
+                held := true;
                 EXIT;
             END IF;
         END IF;
@@ -409,9 +415,11 @@ BEGIN
         EXIT WHEN cardinality(mine) > 0;
         IF cardinality(page) > 0 THEN
             -- record that the shard moved past the page; go on to the next, unless its keys
-            -- are all due: their heads make this batch, and the shard moves past a page of them
-            -- per claim, not all their events at once (not when the page ended the window,
-            -- which the batch's claim row must be in)
+            -- are all due at their first retry at most: their heads make this batch, and the
+            -- shard moves past a page of them per claim, not all their events at once, so that
+            -- a key failing once keeps its backlog in the log (a key failing again is moved
+            -- past at once; and not when the page ended the window, which the batch's claim
+            -- row must be in)
             cur := outbox_internal._advance(cur, page[cardinality(page)].seq, exhausted);
             PERFORM outbox_internal._append(cur);
             EXIT WHEN all_due AND NOT exhausted;
@@ -423,7 +431,9 @@ BEGIN
     END LOOP;
     heads := outbox_internal._due_heads(c, cur.shard, batch_size);
     IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
-        PERFORM outbox_internal._record_empty(cur, stale, outbox_internal._newest_seal());
+        IF NOT held THEN  -- a page held is still to read: the window is not empty
+            PERFORM outbox_internal._record_empty(cur, stale, outbox_internal._newest_seal());
+        END IF;
         RETURN;
     END IF;
     cur := outbox_internal._claimed(cur, owner, lease,

@@ -14,12 +14,16 @@
 -- row, and any index as good as another); each time a parking table has doubled in pages, its
 -- plans are now made again (_replan_when_grown, src/replan.rs). And a hot key failing once had
 -- its whole backlog copied into its queue by the next claim, and out again: a claim now moves
--- past at most one page of keys that are all due, and leaves a page of keys catching up in the
--- log until their queues are empty.
+-- past at most one page of keys that are all due at their first retry at most, and leaves a
+-- page of keys catching up (_parked.head_through: their last head went through) in the log
+-- until their queues are empty. A settle of a batch of heads alone reads nothing of the
+-- window (_batch).
 --
 -- A delta: what changed from 0.25.0 to 0.26.0, rerunnable.
 
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.26.0'" to load this file. \quit
+
+ALTER TABLE outbox._parked ADD COLUMN IF NOT EXISTS head_through boolean NOT NULL DEFAULT false;
 
 -- the keys of _parked and _parked_events reordered (sql/parking.sql), where they are not yet
 DO $keys$
@@ -64,7 +68,70 @@ BEGIN
       FROM unnest(events) AS e
      ORDER BY e.seq
     ON CONFLICT (consumer_id, id) DO NOTHING;
-    PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
+    IF FOUND THEN
+        PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
+    END IF;
+END
+$$;
+
+
+CREATE OR REPLACE FUNCTION outbox_internal._keys_failed(c outbox.consumers, failures outbox_internal._failure[],
+                                                        epoch bigint) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    dead_ids      uuid[];
+    dead_attempts int[];
+    dead_errors   text[];
+BEGIN
+    WITH counted AS (
+        UPDATE outbox._parked p
+           SET attempts = p.attempts + CASE WHEN f.attempted IS FALSE THEN 0 ELSE 1 END,
+               last_error = f.error, nacked_epoch = epoch, nacked_pos = CASE WHEN f.head THEN f.seq END,
+               head_through = false,
+               next_attempt_at = now() + coalesce(f.retry_after, outbox_internal._backoff(c,
+                   CASE WHEN f.attempted IS FALSE THEN greatest(p.attempts, 1) ELSE p.attempts + 1 END))
+          FROM unnest(failures) f
+         WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id
+        RETURNING f.event_id, f.error, f.final, f.attempted, p.attempts)
+    SELECT array_agg(k.event_id), array_agg(k.attempts), array_agg(k.error)
+      INTO dead_ids, dead_attempts, dead_errors
+      FROM counted k
+     WHERE k.attempted IS NOT FALSE AND (k.final OR k.attempts >= c.max_attempts);
+    IF dead_ids IS NULL THEN
+        RETURN;
+    END IF;
+    WITH dead AS (
+        DELETE FROM outbox._parked_events q
+         USING unnest(dead_ids, dead_attempts, dead_errors) AS d(id, attempts, error)
+         WHERE q.consumer_id = c.id AND q.id = d.id
+        RETURNING q.*, d.attempts AS n, d.error AS error)
+    INSERT INTO outbox.dead_letters (consumer, event_id, topic, aggregate_type, aggregate_id,
+                                     event_type, payload, headers, created_at, seq, attempts, last_error)
+    SELECT c.name, d.id, d.topic, d.aggregate_type, d.aggregate_id, d.event_type, d.payload,
+           d.headers, d.created_at, d.seq, d.n, d.error
+      FROM dead d ORDER BY d.seq;
+    -- their keys move on: the next event is due at once, and a key with none is unparked
+    UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
+      FROM unnest(failures) f
+     WHERE p.consumer_id = c.id AND p.aggregate_id = f.aggregate_id AND f.event_id = ANY (dead_ids);
+    PERFORM outbox_internal._unpark_emptied(c.id, ARRAY(SELECT f.aggregate_id FROM unnest(failures) f
+                                                         WHERE f.event_id = ANY (dead_ids)));
+END
+$$;
+
+
+CREATE OR REPLACE FUNCTION outbox_internal._batch(cur outbox._cursor_log) RETURNS outbox.events[]
+    LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    since timestamptz := outbox_internal._window_since(cur, outbox_internal._newest_seal());
+    until timestamptz := outbox_internal._reach();
+BEGIN
+    IF cur.batch_end IS NOT DISTINCT FROM cur.after_seq THEN
+        RETURN '{}';  -- heads alone: the claim handed out nothing of the window (_claim_parked)
+    END IF;
+    RETURN ARRAY(SELECT w FROM outbox_internal._window_events(cur, cur.batch_end, NULL, since, until) w);
 END
 $$;
 
@@ -121,7 +188,9 @@ BEGIN
         ON CONFLICT DO NOTHING
         RETURNING aggregate_id)
     SELECT array_agg(m.aggregate_id) INTO parked FROM made m;
-    PERFORM outbox_internal._replan_when_grown('outbox._parked');
+    IF parked IS NOT NULL THEN
+        PERFORM outbox_internal._replan_when_grown('outbox._parked');
+    END IF;
     PERFORM outbox_internal._queue_parked(c.id, ARRAY(
         SELECT b FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
          WHERE NOT f.head AND b.seq >= f.seq ORDER BY b.seq));
@@ -159,7 +228,7 @@ BEGIN
                array_agg(DISTINCT d.aggregate_id)
           INTO through, touched
           FROM delivered d;
-        UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
+        UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now(), head_through = true
          WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (through);
         PERFORM outbox_internal._unpark_emptied(c.id, touched);
     END IF;
@@ -189,6 +258,7 @@ DECLARE
     exhausted boolean;
     all_due     boolean;  -- a page of parked keys' events only: are all their keys due,
     catching_up boolean;  -- and all catching up?
+    held        boolean := false;  -- such a page left to read once their queues are out
     since     timestamptz;
     until     timestamptz;
 BEGIN
@@ -217,14 +287,18 @@ BEGIN
                   FROM unnest(page) e
                 OFFSET 0) k;  -- parked worked out once per event, not once per FILTER
         IF cardinality(mine) = 0 AND cardinality(page) > 0 THEN
-            -- only parked keys' events here: are all their keys due, and all catching up (due,
-            -- their last head through, events queued)?
-            SELECT bool_and(p.next_attempt_at <= now()),
-                   bool_and(p.next_attempt_at <= now() AND p.attempts = 0
+            -- only parked keys' events here: are all their keys due at their first retry at
+            -- most, and are all catching up (due, their last head through, events queued, and
+            -- none of the page's queued already by a claim given back)?
+            SELECT bool_and(p.next_attempt_at <= now() AND p.attempts <= 1),
+                   bool_and(p.next_attempt_at <= now() AND p.head_through
                             AND EXISTS (SELECT FROM outbox._parked_events q
-                                         WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id))
+                                         WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id)
+                            AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                                             WHERE q.id = k.first_id AND q.consumer_id = c.id))
               INTO all_due, catching_up
-              FROM (SELECT DISTINCT q.aggregate_id FROM unnest(queued) q) k
+              FROM (SELECT DISTINCT ON (q.aggregate_id) q.aggregate_id, q.id AS first_id
+                      FROM unnest(queued) q ORDER BY q.aggregate_id, q.seq) k
              CROSS JOIN LATERAL (SELECT p.* FROM outbox._parked p
                                   WHERE p.aggregate_id = k.aggregate_id AND p.consumer_id = c.id) p;
             IF catching_up THEN
@@ -232,6 +306,7 @@ BEGIN
                 -- with the shard again: not copied into the queues and out again (#38: a hot key)
                 page := '{}';
                 exhausted := false;  -- the window is not read to its end: the page is still to read
+                held := true;
                 EXIT;
             END IF;
         END IF;
@@ -239,9 +314,11 @@ BEGIN
         EXIT WHEN cardinality(mine) > 0;
         IF cardinality(page) > 0 THEN
             -- record that the shard moved past the page; go on to the next, unless its keys
-            -- are all due: their heads make this batch, and the shard moves past a page of them
-            -- per claim, not all their events at once (not when the page ended the window,
-            -- which the batch's claim row must be in)
+            -- are all due at their first retry at most: their heads make this batch, and the
+            -- shard moves past a page of them per claim, not all their events at once, so that
+            -- a key failing once keeps its backlog in the log (a key failing again is moved
+            -- past at once; and not when the page ended the window, which the batch's claim
+            -- row must be in)
             cur := outbox_internal._advance(cur, page[cardinality(page)].seq, exhausted);
             PERFORM outbox_internal._append(cur);
             EXIT WHEN all_due AND NOT exhausted;
@@ -253,7 +330,9 @@ BEGIN
     END LOOP;
     heads := outbox_internal._due_heads(c, cur.shard, batch_size);
     IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
-        PERFORM outbox_internal._record_empty(cur, stale, outbox_internal._newest_seal());
+        IF NOT held THEN  -- a page held is still to read: the window is not empty
+            PERFORM outbox_internal._record_empty(cur, stale, outbox_internal._newest_seal());
+        END IF;
         RETURN;
     END IF;
     cur := outbox_internal._claimed(cur, owner, lease,
@@ -303,8 +382,10 @@ BEGIN
       FROM moved m ORDER BY m.id
     ON CONFLICT (consumer_id, id) DO NOTHING;
     GET DIAGNOSTICS n = ROW_COUNT;
-    PERFORM outbox_internal._replan_when_grown('outbox._parked');
-    PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
+    IF n > 0 THEN
+        PERFORM outbox_internal._replan_when_grown('outbox._parked');
+        PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
+    END IF;
     RETURN n;
 END
 $$;

@@ -33,6 +33,7 @@ CREATE TABLE IF NOT EXISTS outbox._parked (
     nacked_epoch    bigint,                          -- the batch that last failed the key
     parked_at       timestamptz NOT NULL DEFAULT now(),
     nacked_pos      bigint,                          -- the queue position of the head that failed then
+    head_through    boolean     NOT NULL DEFAULT false,  -- its last head went through: catching up
     PRIMARY KEY (aggregate_id, consumer_id)  -- no foreign key: see _cursor_log
 );
 
@@ -137,6 +138,7 @@ BEGIN
         UPDATE outbox._parked p
            SET attempts = p.attempts + CASE WHEN f.attempted IS FALSE THEN 0 ELSE 1 END,
                last_error = f.error, nacked_epoch = epoch, nacked_pos = CASE WHEN f.head THEN f.seq END,
+               head_through = false,
                next_attempt_at = now() + coalesce(f.retry_after, outbox_internal._backoff(c,
                    CASE WHEN f.attempted IS FALSE THEN greatest(p.attempts, 1) ELSE p.attempts + 1 END))
           FROM unnest(failures) f
@@ -196,7 +198,9 @@ BEGIN
       FROM unnest(events) AS e
      ORDER BY e.seq
     ON CONFLICT (consumer_id, id) DO NOTHING;
-    PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
+    IF FOUND THEN
+        PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
+    END IF;
 END
 $$;
 

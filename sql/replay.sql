@@ -39,8 +39,10 @@ BEGIN
       FROM moved m ORDER BY m.id
     ON CONFLICT (consumer_id, id) DO NOTHING;
     GET DIAGNOSTICS n = ROW_COUNT;
-    PERFORM outbox_internal._replan_when_grown('outbox._parked');
-    PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
+    IF n > 0 THEN
+        PERFORM outbox_internal._replan_when_grown('outbox._parked');
+        PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
+    END IF;
     RETURN n;
 END
 $$;

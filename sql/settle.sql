@@ -114,6 +114,9 @@ DECLARE
     since timestamptz := outbox_internal._window_since(cur, outbox_internal._newest_seal());
     until timestamptz := outbox_internal._reach();
 BEGIN
+    IF cur.batch_end IS NOT DISTINCT FROM cur.after_seq THEN
+        RETURN '{}';  -- heads alone: the claim handed out nothing of the window (_claim_parked)
+    END IF;
     RETURN ARRAY(SELECT w FROM outbox_internal._window_events(cur, cur.batch_end, NULL, since, until) w);
 END
 $$;
@@ -181,7 +184,9 @@ BEGIN
         ON CONFLICT DO NOTHING
         RETURNING aggregate_id)
     SELECT array_agg(m.aggregate_id) INTO parked FROM made m;
-    PERFORM outbox_internal._replan_when_grown('outbox._parked');
+    IF parked IS NOT NULL THEN
+        PERFORM outbox_internal._replan_when_grown('outbox._parked');
+    END IF;
     PERFORM outbox_internal._queue_parked(c.id, ARRAY(
         SELECT b FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
          WHERE NOT f.head AND b.seq >= f.seq ORDER BY b.seq));
@@ -279,7 +284,7 @@ BEGIN
                array_agg(DISTINCT d.aggregate_id)
           INTO through, touched
           FROM delivered d;
-        UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now()
+        UPDATE outbox._parked p SET attempts = 0, next_attempt_at = now(), head_through = true
          WHERE p.consumer_id = c.id AND p.aggregate_id = ANY (through);
         PERFORM outbox_internal._unpark_emptied(c.id, touched);
     END IF;

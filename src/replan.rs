@@ -20,7 +20,9 @@ use std::collections::HashMap;
 const LEAST_PAGES: u32 = 2;
 
 thread_local! {
-    /// Per table, its size in pages when this backend last had its plans made again.
+    /// Per table, its size in pages when this backend first saw it or last had its plans made
+    /// again. (Kept if the transaction aborts and its invalidation with it: the next doubling
+    /// makes the plans again.)
     static REPLANNED_AT: RefCell<HashMap<pg_sys::Oid, u32>> = RefCell::new(HashMap::new());
 }
 
@@ -37,11 +39,22 @@ pub unsafe extern "C-unwind" fn outbox_replan_when_grown(
 ) -> pg_sys::Datum {
     let rel = pg_sys::Oid::from((*(*fcinfo).args.as_ptr()).value.value() as u32);
     let relation = pg_sys::relation_open(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
-    let pages = pg_sys::RelationGetNumberOfBlocksInFork(relation, pg_sys::ForkNumber::MAIN_FORKNUM);
+    let pages = match (*(*relation).rd_rel).relkind as u8 {
+        pg_sys::RELKIND_RELATION => Some(pg_sys::RelationGetNumberOfBlocksInFork(
+            relation,
+            pg_sys::ForkNumber::MAIN_FORKNUM,
+        )),
+        _ => None, // no pages of its own (a view, a partitioned table): nothing to do
+    };
     pg_sys::relation_close(relation, pg_sys::NoLock as pg_sys::LOCKMODE);
+    let Some(pages) = pages else {
+        return pg_sys::Datum::from(0);
+    };
     let replan = REPLANNED_AT.with(|at| {
         let mut at = at.borrow_mut();
-        let last = at.entry(rel).or_insert(0);
+        // a backend's first call takes the size as it finds it: its plans are as new as that
+        // (else every new session would make every session plan again)
+        let last = at.entry(rel).or_insert(pages);
         let (replan, next) = replan_at(*last, pages);
         *last = next;
         replan

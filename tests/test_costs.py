@@ -18,6 +18,13 @@ def pages_read(db, table: str) -> int:
                       "WHERE relid = %s::regclass", (table,)).fetchone()[0] or 0
 
 
+def no_autovacuum_of_parking(db) -> None:
+    """No ANALYZE of the parking tables but the test's own: its statistics would make the plans
+    again, as the fix under test does."""
+    for table in ("outbox._parked", "outbox._parked_events"):
+        db.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = off)")
+
+
 def test_a_sessions_claims_stay_index_walks_as_cursor_history_grows(db):
     db.execute("SELECT outbox.create_consumer('sink')")
     relay = Relay(db, "sink", batch_size=5)
@@ -62,6 +69,7 @@ def test_a_sessions_settles_of_parked_keys_stay_lookups_as_the_queues_grow(db):
             relay.step(deliver, retry_after="0")
         assert db.execute("SELECT count(*) FROM outbox._parked WHERE aggregate_id = %s", (key,)).fetchone()[0] == 0
 
+    no_autovacuum_of_parking(db)
     db.execute("VACUUM ANALYZE outbox._parked")
     db.execute("VACUUM ANALYZE outbox._parked_events")   # as autovacuum does: "they are tiny"
     for _ in range(6):   # the session plans its statements while they are
@@ -88,6 +96,7 @@ def test_plans_made_while_nothing_was_parked_are_made_again_as_keys_park(db):
     parked, a settle still looks its failed key up, not reading every parked key: a parking
     table's plans are made again as it grows."""
     db.execute("SELECT outbox.create_consumer('sink')")
+    no_autovacuum_of_parking(db)
     db.execute("VACUUM ANALYZE outbox._parked")
     db.execute("VACUUM ANALYZE outbox._parked_events")
     keys = [r[0] for r in db.execute("SELECT k FROM (SELECT 'p' || g AS k FROM generate_series(1, 200000) g) s "
@@ -110,6 +119,42 @@ def test_plans_made_while_nothing_was_parked_are_made_again_as_keys_park(db):
     assert size > 50
     read = fail_all(keys[6000:])
     assert read < 10, f"a settle failing one key read {read} of the {size} pages of parked keys"
+
+
+def test_plans_made_while_the_parking_tables_look_empty_bound_each_lookup(db):
+    """Plans made as claim and settle make theirs (generic, sequential scans off) while the
+    parking tables were last analyzed empty, with a hundred rows in them: each lookup, by key,
+    by event id or by shard, is bounded by the index for it, not by consumer_id alone (a scan
+    of every row of the consumer; before 0.26.0 every index led with consumer_id)."""
+    db.execute("SELECT outbox.create_consumer('sink')")
+    no_autovacuum_of_parking(db)
+    db.execute("VACUUM ANALYZE outbox._parked")
+    db.execute("VACUUM ANALYZE outbox._parked_events")
+    db.execute("""INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+                  SELECT c.id, 'k' || g, g % 16, now() FROM outbox.consumers c, generate_series(1, 100) g""")
+    db.execute("""INSERT INTO outbox._parked_events (consumer_id, aggregate_id, id, aggregate_type, event_type,
+                                                     payload, created_at, seq)
+                  SELECT c.id, 'k' || (g % 100), gen_random_uuid(), 'order', 'e', '{}', now(), g
+                    FROM outbox.consumers c, generate_series(1, 150) g""")
+    for setting in ("plan_cache_mode = force_generic_plan", "enable_seqscan = off", "enable_bitmapscan = off"):
+        db.execute(f"SET {setting}")
+    lookups = {   # name: (statement, its arguments, the column that must bound it)
+        "event_by_id": ("SELECT q.pos FROM outbox._parked_events q WHERE q.consumer_id = $1 AND q.id = $2",
+                        "int, uuid", "1, gen_random_uuid()", "id"),
+        "queue_of_key": ("SELECT q.pos FROM outbox._parked_events q WHERE q.consumer_id = $1 AND q.aggregate_id = $2 "
+                         "ORDER BY q.pos LIMIT 5", "int, text", "1, 'k5'", "aggregate_id"),
+        "key_has_queue": ("SELECT EXISTS (SELECT FROM outbox._parked_events q "
+                          "WHERE q.consumer_id = $1 AND q.aggregate_id = $2)", "int, text", "1, 'k5'", "aggregate_id"),
+        "parked_key": ("SELECT p.attempts FROM outbox._parked p WHERE p.consumer_id = $1 AND p.aggregate_id = $2",
+                       "int, text", "1, 'k5'", "aggregate_id"),
+        "keys_of_shard": ("SELECT p.aggregate_id FROM outbox._parked p WHERE p.consumer_id = $1 AND p.shard = $2",
+                          "int, int", "1, 3", "shard"),
+    }
+    for name, (statement, types, args, column) in lookups.items():
+        db.execute(f"PREPARE {name}({types}) AS {statement}")
+        plan = [r[0] for r in db.execute(f"EXPLAIN EXECUTE {name}({args})").fetchall()]
+        bounds = [line for line in plan if "Index Cond:" in line]
+        assert any(f"{column} = $2" in line for line in bounds), f"{name}: " + "\n".join(plan)
 
 
 def test_status_counts_exactly_up_to_five_hundred_per_shard_and_estimates_beyond(db):

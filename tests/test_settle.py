@@ -400,17 +400,42 @@ def test_a_hot_key_failing_once_leaves_its_backlog_in_the_log(db, relay):
     db.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (other,))
     batch = relay.claim()
     relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(batch[0], "HTTP 503", retry_after="0")])
-    delivered, claims = [], 0
+    delivered, others, claims = [], 0, 0
     while batch := relay.claim():
         claims += 1
         relay.settle(batch[0].shard, batch[0].epoch)
         delivered += [e.payload["i"] for e in batch if e.aggregate_id == hot]
-    assert delivered == list(range(200)), "in order, none missing"
+        others += sum(e.aggregate_id == other for e in batch)
+    assert delivered == list(range(200)) and others == 1, "in order, none missing"
     db.execute("SELECT pg_stat_force_next_flush()")
     queued = db.execute("SELECT pg_stat_clear_snapshot(), n_tup_ins FROM pg_stat_user_tables "
                         "WHERE relid = 'outbox._parked_events'::regclass").fetchone()[1]
     assert queued <= 2 * relay.batch_size, f"{queued} events of the hot key copied into its queue"
     assert claims <= 200 // relay.batch_size + 3, f"{claims} claims"
+
+
+def test_a_key_the_sink_keeps_refusing_unjudged_blocks_only_itself(db, relay):
+    """A parked key whose heads the sink keeps refusing without judging them ("attempted":
+    false, due again at once: no attempt counted, never dead-lettered) is not catching up:
+    a page of its events is moved past, and the next key's event goes out."""
+    stuck, other = keys_in_shard(db, 3, 2)
+    relay.batch_size = 5
+
+    def refused(event):
+        return {"id": str(event.id), "error": "HTTP 429", "retry_after": 0, "attempted": False}
+
+    emit_many(db, stuck, 0, 5)
+    batch = relay.claim()
+    relay.settle(batch[0].shard, batch[0].epoch, [refused(batch[0])])
+    emit_many(db, stuck, 5, 5)
+    db.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (other,))
+    for _ in range(4):
+        batch = relay.claim()
+        if any(e.aggregate_id == other for e in batch):
+            break
+        relay.settle(batch[0].shard, batch[0].epoch, [refused(e) for e in batch[:1]])
+    else:
+        raise AssertionError(f"{other} waited behind {stuck} for four claims")
 
 
 def test_a_failure_inside_a_catching_up_keys_queue_counts_against_that_event(db, relay):
