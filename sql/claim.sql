@@ -137,6 +137,11 @@ BEGIN
     IF cur.lease_until > now() THEN
         cur := NULL;  -- a batch is out under a live lease, or a release asked to wait
         RETURN;
+    ELSIF cur.owner IS NOT NULL THEN
+        -- a batch whose lease ran out: given back as outbox.release gives it back, so that a
+        -- key its relay nacked before it died is read again from the page, in order
+        PERFORM outbox_internal._unpark_released(c, cur)
+           FROM outbox.consumers c WHERE c.id = _free_cursor.consumer_id;
     END IF;
     parked := EXISTS (SELECT FROM outbox._parked p
                        WHERE p.consumer_id = _free_cursor.consumer_id AND p.shard = _free_cursor.shard);
@@ -360,6 +365,7 @@ DECLARE
     all_due     boolean;  -- a page of parked keys' events only: are all their keys due,
     catching_up boolean;  -- and all catching up?
     held        boolean := false;  -- such a page left to read once their queues are out
+    share       int;  -- of batch_size, each key catching up gets (as _due_heads gives it)
     since     timestamptz;
     until     timestamptz;
 BEGIN
@@ -388,13 +394,19 @@ BEGIN
                   FROM unnest(page) e
                 OFFSET 0) k;  -- parked worked out once per event, not once per FILTER
         IF cardinality(mine) = 0 AND cardinality(page) > 0 THEN
-            -- only parked keys' events here: are all their keys due at their first retry at
-            -- most, and are all catching up (due, their last head through, events queued, and
-            -- none of the page's queued already by a claim given back)?
-            SELECT bool_and(p.next_attempt_at <= now() AND p.attempts <= 1),
+            -- only parked keys' events here: are all their keys due, at their first retry or
+            -- catching up; and are all catching up (due, their last head through) with a queue
+            -- that two claims' shares empty (so that keys behind the page wait two claims at
+            -- most), none of the page's events queued already (by a claim given back)?
+            share := greatest(1, batch_size / greatest(1, (
+                         SELECT count(*) FROM (SELECT FROM outbox._parked p
+                                                WHERE p.shard = cur.shard AND p.consumer_id = c.id
+                                                  AND p.next_attempt_at <= now() LIMIT batch_size) d)));
+            SELECT bool_and(p.next_attempt_at <= now() AND (p.attempts = 1 OR p.head_through)),
                    bool_and(p.next_attempt_at <= now() AND p.head_through
-                            AND EXISTS (SELECT FROM outbox._parked_events q
-                                         WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id)
+                            AND (SELECT count(*) FROM (SELECT FROM outbox._parked_events q
+                                                        WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
+                                                        LIMIT 2 * share + 1) n) BETWEEN 1 AND 2 * share
                             AND NOT EXISTS (SELECT FROM outbox._parked_events q
                                              WHERE q.id = k.first_id AND q.consumer_id = c.id))
               INTO all_due, catching_up
@@ -415,11 +427,11 @@ BEGIN
         EXIT WHEN cardinality(mine) > 0;
         IF cardinality(page) > 0 THEN
             -- record that the shard moved past the page; go on to the next, unless its keys
-            -- are all due at their first retry at most: their heads make this batch, and the
-            -- shard moves past a page of them per claim, not all their events at once, so that
-            -- a key failing once keeps its backlog in the log (a key failing again is moved
-            -- past at once; and not when the page ended the window, which the batch's claim
-            -- row must be in)
+            -- are all due at their first retry or catching up: their heads make this batch,
+            -- and the shard moves past a page of them per claim, not all their events at once,
+            -- so that a key failing once keeps its backlog in the log (a key failing again, or
+            -- refused unjudged, is moved past at once; and not when the page ended the window,
+            -- which the batch's claim row must be in)
             cur := outbox_internal._advance(cur, page[cardinality(page)].seq, exhausted);
             PERFORM outbox_internal._append(cur);
             EXIT WHEN all_due AND NOT exhausted;

@@ -14,10 +14,12 @@
 -- row, and any index as good as another); each time a parking table has doubled in pages, its
 -- plans are now made again (_replan_when_grown, src/replan.rs). And a hot key failing once had
 -- its whole backlog copied into its queue by the next claim, and out again: a claim now moves
--- past at most one page of keys that are all due at their first retry at most, and leaves a
--- page of keys catching up (_parked.head_through: their last head went through) in the log
--- until their queues are empty. A settle of a batch of heads alone reads nothing of the
--- window (_batch).
+-- past at most one page of keys that are all due at their first retry or catching up, and
+-- leaves a page of keys catching up (_parked.head_through: their last head went through) in the log
+-- until their queues are empty, when two claims empty them. A settle of a batch of heads
+-- alone reads nothing of the window (_batch). And a batch whose lease ran out is given back as
+-- outbox.release gives it back (_free_cursor): a key its relay nacked before it died was
+-- queued with the nacked event first and the page's earlier events of the key after it.
 --
 -- A delta: what changed from 0.25.0 to 0.26.0, rerunnable.
 
@@ -237,6 +239,44 @@ END
 $$;
 
 
+CREATE OR REPLACE FUNCTION outbox_internal._free_cursor(consumer_id int, shard int, newest outbox._seals,
+                                               until timestamptz, OUT cur outbox._cursor_log, OUT parked boolean)
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    floor_seq bigint;
+    since     timestamptz;
+BEGIN
+    PERFORM FROM outbox._shards s
+     WHERE s.consumer_id = _free_cursor.consumer_id AND s.shard = _free_cursor.shard
+       FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN;  -- another claim is taking this shard right now
+    END IF;
+    cur := outbox_internal._cursor(consumer_id, shard);
+    IF cur.lease_until > now() THEN
+        cur := NULL;  -- a batch is out under a live lease, or a release asked to wait
+        RETURN;
+    ELSIF cur.owner IS NOT NULL THEN
+        -- a batch whose lease ran out: given back as outbox.release gives it back, so that a
+        -- key its relay nacked before it died is read again from the page, in order
+        PERFORM outbox_internal._unpark_released(c, cur)
+           FROM outbox.consumers c WHERE c.id = _free_cursor.consumer_id;
+    END IF;
+    parked := EXISTS (SELECT FROM outbox._parked p
+                       WHERE p.consumer_id = _free_cursor.consumer_id AND p.shard = _free_cursor.shard);
+    IF NOT parked AND cur.hi_snap IS NULL AND cur.restored_seq IS NULL THEN
+        floor_seq := outbox_internal._pending_floor(cur);  -- a value: the probe's index bound
+        since := outbox_internal._since(floor_seq, newest);
+        IF NOT outbox_internal._any_events(ARRAY[shard], ARRAY[floor_seq], since, until)
+           AND NOT outbox_internal._behind_a_seal(cur, newest) THEN
+            cur := NULL;
+        END IF;
+    END IF;
+END
+$$;
+
+
 CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
                                                 batch_size int, lease interval, owner text,
                                                 seq_mark bigint, x xid8)
@@ -259,6 +299,7 @@ DECLARE
     all_due     boolean;  -- a page of parked keys' events only: are all their keys due,
     catching_up boolean;  -- and all catching up?
     held        boolean := false;  -- such a page left to read once their queues are out
+    share       int;  -- of batch_size, each key catching up gets (as _due_heads gives it)
     since     timestamptz;
     until     timestamptz;
 BEGIN
@@ -287,13 +328,19 @@ BEGIN
                   FROM unnest(page) e
                 OFFSET 0) k;  -- parked worked out once per event, not once per FILTER
         IF cardinality(mine) = 0 AND cardinality(page) > 0 THEN
-            -- only parked keys' events here: are all their keys due at their first retry at
-            -- most, and are all catching up (due, their last head through, events queued, and
-            -- none of the page's queued already by a claim given back)?
-            SELECT bool_and(p.next_attempt_at <= now() AND p.attempts <= 1),
+            -- only parked keys' events here: are all their keys due, at their first retry or
+            -- catching up; and are all catching up (due, their last head through) with a queue
+            -- that two claims' shares empty (so that keys behind the page wait two claims at
+            -- most), none of the page's events queued already (by a claim given back)?
+            share := greatest(1, batch_size / greatest(1, (
+                         SELECT count(*) FROM (SELECT FROM outbox._parked p
+                                                WHERE p.shard = cur.shard AND p.consumer_id = c.id
+                                                  AND p.next_attempt_at <= now() LIMIT batch_size) d)));
+            SELECT bool_and(p.next_attempt_at <= now() AND (p.attempts = 1 OR p.head_through)),
                    bool_and(p.next_attempt_at <= now() AND p.head_through
-                            AND EXISTS (SELECT FROM outbox._parked_events q
-                                         WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id)
+                            AND (SELECT count(*) FROM (SELECT FROM outbox._parked_events q
+                                                        WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
+                                                        LIMIT 2 * share + 1) n) BETWEEN 1 AND 2 * share
                             AND NOT EXISTS (SELECT FROM outbox._parked_events q
                                              WHERE q.id = k.first_id AND q.consumer_id = c.id))
               INTO all_due, catching_up
@@ -314,11 +361,11 @@ BEGIN
         EXIT WHEN cardinality(mine) > 0;
         IF cardinality(page) > 0 THEN
             -- record that the shard moved past the page; go on to the next, unless its keys
-            -- are all due at their first retry at most: their heads make this batch, and the
-            -- shard moves past a page of them per claim, not all their events at once, so that
-            -- a key failing once keeps its backlog in the log (a key failing again is moved
-            -- past at once; and not when the page ended the window, which the batch's claim
-            -- row must be in)
+            -- are all due at their first retry or catching up: their heads make this batch,
+            -- and the shard moves past a page of them per claim, not all their events at once,
+            -- so that a key failing once keeps its backlog in the log (a key failing again, or
+            -- refused unjudged, is moved past at once; and not when the page ended the window,
+            -- which the batch's claim row must be in)
             cur := outbox_internal._advance(cur, page[cardinality(page)].seq, exhausted);
             PERFORM outbox_internal._append(cur);
             EXIT WHEN all_due AND NOT exhausted;

@@ -438,6 +438,45 @@ def test_a_key_the_sink_keeps_refusing_unjudged_blocks_only_itself(db, relay):
         raise AssertionError(f"{other} waited behind {stuck} for four claims")
 
 
+def test_a_key_catching_up_a_long_queue_does_not_hold_the_keys_behind_it(db, relay):
+    """A key whose head goes through after its queue grew to ten batches: a page of its new
+    events is moved past (copied into its queue) rather than held until the queue is out, so
+    the next key's event goes out within two claims."""
+    key, other = keys_in_shard(db, 3, 2)
+    relay.batch_size = 10
+    emit_many(db, key, 0, 100)
+    for _ in range(2):   # fails, and its retry fails
+        batch = relay.claim()
+        relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(batch[0], "HTTP 503", retry_after="0")])
+    batch = relay.claim()   # the rest of its events queue; its head goes through: it catches up
+    relay.settle(batch[0].shard, batch[0].epoch)
+    assert len(parked(db)[key]) == 99
+    emit_many(db, key, 100, 10)
+    db.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (other,))
+    for claims in range(1, 4):
+        batch = relay.claim()
+        relay.settle(batch[0].shard, batch[0].epoch)
+        if any(e.aggregate_id == other for e in batch):
+            break
+    assert claims <= 2, f"{other} waited {claims} claims behind {key}'s queue"
+
+
+def test_a_nack_then_a_lease_running_out_keeps_the_keys_order(db, connect, relay):
+    """A relay nacks the second event of a key and dies; once its lease runs out, the next
+    claim reads the page again with the key's events in order, as after outbox.release (the
+    nacked key's queue was [e1, e2], and e0 came after them)."""
+    key = keys_in_shard(db, 3, 1)[0]
+    emit_many(db, key, 0, 3)
+    dying = Relay(connect(), "sink", lease="1 second")
+    batch = dying.claim()
+    dying.nack(batch[1], "HTTP 503", retry_after="0")
+    time.sleep(1.2)
+    first = {}
+    for event in relay.drain():
+        first.setdefault(event.payload["i"], len(first))
+    assert sorted(first, key=first.get) == [0, 1, 2]
+
+
 def test_a_failure_inside_a_catching_up_keys_queue_counts_against_that_event(db, relay):
     """A key catching up hands out several events of its queue; the third fails: the first two
     went through and leave the queue, the third is the head now with one attempt counted, the
