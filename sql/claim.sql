@@ -337,10 +337,11 @@ END
 $$;
 
 -- _claim for a shard with parked keys: the page's events of parked keys join their queues
--- instead of going out (the shard moves past pages that hold only those, one such page per
--- claim when some key is due), and the batch also holds the due heads (_due_heads: at most
--- batch_size more). A page that holds only events of keys catching up (their last head went
--- through) is left where it is while their queues go out. Nothing (and no claim row) when neither is left; then the empty
+-- instead of going out (the shard moves past pages that hold only those: one per claim when
+-- their keys are all due at their first retry or catching up), and the batch also holds the
+-- due heads (_due_heads: at most batch_size more). A page that holds only events of keys
+-- catching up (their last head went through) whose queues two claims empty is left where it
+-- is while the queues go out. Nothing (and no claim row) when neither is left; then the empty
 -- window is recorded as _claim records it (_record_empty), so that polls while the shard's
 -- keys wait out their backoff stay idle.
 CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
