@@ -209,7 +209,8 @@ $$;
 -- is unparked, its queue dropped, as if the batch had never been claimed. The shard reads the
 -- page again, so the key's events come back in order: kept, the earlier ones would be queued
 -- behind the failed one. A key parked before (its head handed out and nacked) keeps its queue
--- and the attempt counted.
+-- and the attempt counted, less the copies of this page's events: the next claim may read a
+-- smaller page, and a copy beyond it would go out from the queue and again from the log.
 CREATE OR REPLACE FUNCTION outbox_internal._unpark_released(c outbox.consumers, cur outbox._cursor_log) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
@@ -225,5 +226,13 @@ BEGIN
     DELETE FROM outbox._parked_events q
      USING unparked u
      WHERE q.consumer_id = c.id AND q.aggregate_id = u.aggregate_id;
+    IF cur.batch_end > coalesce(cur.after_seq, 0) THEN
+        DELETE FROM outbox._parked_events q
+         USING outbox._parked p
+         WHERE p.shard = cur.shard AND p.consumer_id = c.id
+           AND q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
+           AND q.seq > coalesce(cur.after_seq, 0) AND q.seq <= cur.batch_end
+           AND q.id <> ALL (coalesce(cur.heads, '{}'));
+    END IF;
 END
 $$;

@@ -477,6 +477,29 @@ def test_a_nack_then_a_lease_running_out_keeps_the_keys_order(db, connect, relay
     assert sorted(first, key=first.get) == [0, 1, 2]
 
 
+def test_a_batch_given_back_and_claimed_again_in_a_smaller_page_sends_each_event_once(db, relay):
+    """A parked key's events of a page are copied to its queue when the page is claimed; the
+    batch is given back and the next claim reads a smaller page (the worker probes a suspended
+    sink with 10 events). Kept, the copies beyond the new page went out from the queue, and
+    again when the cursor read them in the log."""
+    a, b = keys_in_shard(db, 6, 2)
+    emit_many(db, a, 0, 1)
+    first = relay.claim()
+    relay.settle(first[0].shard, first[0].epoch, [relay.failure(first[0], "HTTP 503", retry_after="0")])
+    for i in range(1, 5):
+        emit_many(db, a, i, 1)
+        emit_many(db, b, i, 1)
+    given_back = relay.claim()
+    assert parked(db) == {a: [0, 1, 2, 3, 4]}
+    relay.release(given_back[0].shard, given_back[0].epoch)
+    assert parked(db) == {a: [0]}, "the page's copies go back with the batch"
+    relay.batch_size = 2
+    out = relay.drain()
+    assert sorted((e.aggregate_id, e.payload["i"]) for e in out) == sorted(
+        [(a, i) for i in range(5)] + [(b, i) for i in range(1, 5)]), "each event once"
+    assert [e.payload["i"] for e in out if e.aggregate_id == a] == [0, 1, 2, 3, 4]
+
+
 def test_a_failure_inside_a_catching_up_keys_queue_counts_against_that_event(db, relay):
     """A key catching up hands out several events of its queue; the third fails: the first two
     went through and leave the queue, the third is the head now with one attempt counted, the
