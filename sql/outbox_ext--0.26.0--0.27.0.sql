@@ -4,7 +4,8 @@
 -- the copies of its page's events in the queues of keys parked before it; the next claim could
 -- read a smaller page (the worker probes a suspended sink with 10 events), and a copy beyond it
 -- went out from the queue and again when the shard read it in the log. They go back with the
--- batch now.
+-- batch now, found by id (a queue may hold events of an earlier window whose seqs fall inside
+-- the page's range: those stay).
 
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.27.0'" to load this file. \quit
 
@@ -30,13 +31,10 @@ BEGIN
     DELETE FROM outbox._parked_events q
      USING unparked u
      WHERE q.consumer_id = c.id AND q.aggregate_id = u.aggregate_id;
-    IF cur.batch_end > coalesce(cur.after_seq, 0) THEN
-        DELETE FROM outbox._parked_events q
-         USING outbox._parked p
-         WHERE p.shard = cur.shard AND p.consumer_id = c.id
-           AND q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
-           AND q.seq > coalesce(cur.after_seq, 0) AND q.seq <= cur.batch_end
-           AND q.id <> ALL (coalesce(cur.heads, '{}'));
-    END IF;
+    -- by id, not by seq range: a queue may hold an event of an earlier window whose seq falls
+    -- inside this page's range
+    DELETE FROM outbox._parked_events q
+     WHERE q.consumer_id = c.id
+       AND q.id IN (SELECT e.id FROM unnest(outbox_internal._batch(cur)) e);
 END
 $$;

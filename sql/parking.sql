@@ -226,13 +226,10 @@ BEGIN
     DELETE FROM outbox._parked_events q
      USING unparked u
      WHERE q.consumer_id = c.id AND q.aggregate_id = u.aggregate_id;
-    IF cur.batch_end > coalesce(cur.after_seq, 0) THEN
-        DELETE FROM outbox._parked_events q
-         USING outbox._parked p
-         WHERE p.shard = cur.shard AND p.consumer_id = c.id
-           AND q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
-           AND q.seq > coalesce(cur.after_seq, 0) AND q.seq <= cur.batch_end
-           AND q.id <> ALL (coalesce(cur.heads, '{}'));
-    END IF;
+    -- by id, not by seq range: a queue may hold an event of an earlier window whose seq falls
+    -- inside this page's range
+    DELETE FROM outbox._parked_events q
+     WHERE q.consumer_id = c.id
+       AND q.id IN (SELECT e.id FROM unnest(outbox_internal._batch(cur)) e);
 END
 $$;

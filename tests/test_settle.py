@@ -500,6 +500,28 @@ def test_a_batch_given_back_and_claimed_again_in_a_smaller_page_sends_each_event
     assert [e.payload["i"] for e in out if e.aggregate_id == a] == [0, 1, 2, 3, 4]
 
 
+def test_a_batch_given_back_leaves_the_queued_events_of_an_earlier_window(db, connect, relay):
+    """A late commit opens a window whose page spans the seqs of events a parked key queued
+    from the window before; that batch is given back: only the page's own copies leave the
+    queues (by seq range, the key's queued event went too, and was never delivered)."""
+    a, late, c = keys_in_shard(db, 7, 3)
+    writer = connect(autocommit=False)
+    emit_many(writer, late, 100, 1)            # the lowest seq, committed last
+    emit_many(db, a, 0, 2)
+    batch = relay.claim()
+    relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(batch[0], "HTTP 503", retry_after="0")])
+    assert parked(db) == {a: [0, 1]}
+    writer.commit()
+    emit_many(db, c, 200, 1)
+    given_back = relay.claim()
+    assert sorted(e.payload["i"] for e in given_back) == [0, 100, 200], "a's head and the new window"
+    relay.release(given_back[0].shard, given_back[0].epoch)
+    assert parked(db) == {a: [0, 1]}
+    out = relay.drain()
+    assert sorted(e.payload["i"] for e in out) == [0, 1, 100, 200]
+    assert [e.payload["i"] for e in out if e.aggregate_id == a] == [0, 1]
+
+
 def test_a_failure_inside_a_catching_up_keys_queue_counts_against_that_event(db, relay):
     """A key catching up hands out several events of its queue; the third fails: the first two
     went through and leave the queue, the third is the head now with one attempt counted, the
