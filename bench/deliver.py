@@ -412,6 +412,7 @@ def kafka_latency(conn, brokers) -> None:
     ours["suspensions"], ours["failed"] = conn.execute(
         "SELECT sink_suspensions, failed_total FROM outbox.status WHERE consumer = 'kafka_lat'").fetchone()
     ours["batches"], ours["batch_ms"] = batches_of("kafka_lat")
+    parts = where_the_time_goes(conn, "kafka_lat", committed, tail.arrivals)
     conn.execute("SELECT outbox.drop_sink('kafka_lat')")
     brokers.create_topic("lat_plain", partitions=4)
     producer = Producer({"bootstrap.servers": brokers.bootstrap(), "enable.idempotence": True, "acks": "all",
@@ -429,7 +430,8 @@ def kafka_latency(conn, brokers) -> None:
         theirs = tail.percentiles(paced(rate, seconds, send))
     producer.flush(10)
     debezium = debezium_latency(conn, brokers, rate, seconds)
-    record("kafka_latency", rate=rate, seconds=seconds, native=ours, producer=theirs, debezium=debezium)
+    record("kafka_latency", rate=rate, seconds=seconds, native=ours, producer=theirs, debezium=debezium,
+           native_parts=parts)
     print(f"Kafka commit-to-consumer latency at {rate:,} events/s for {seconds} s (as a consumer sees it):")
     print(f"  outbox_ext worker        {said(ours)}   ({ours['n']:,} events; sink suspended "
           f"{ours['suspensions']} times, {ours['failed']} failed deliveries; {ours['batches']:,} batches, "
@@ -438,6 +440,7 @@ def kafka_latency(conn, brokers) -> None:
           f"(send to arrival: the broker's and consumer's share)   worker/producer p99 {ours['p99'] / theirs['p99']:.1f}x")
     print(f"  Debezium outbox router   {said(debezium)}   "
           f"(its defaults)   Debezium/worker p99 {debezium['p99'] / ours['p99']:.1f}x")
+    print_parts(parts, "produce, acks, consumer")
 
 
 def debezium_latency(conn, brokers, rate: int, seconds: int) -> dict:
@@ -478,9 +481,11 @@ class Tail:
                              "fetch.wait.max.ms": 5, "fetch.min.bytes": 1})
         consumer.assign([TopicPartition(self.topic, p, 0) for p in range(4)])
         while not self.stop.is_set():
-            for m in consumer.consume(1000, 0.05):
-                if not m.error():
-                    self.arrivals[dict(m.headers())[self.id_header].decode()] = time.time()
+            # one record per poll: it returns as soon as one is there (consume(n, timeout) waits
+            # for n records or the timeout, and would stamp records up to the timeout late)
+            m = consumer.poll(0.05)
+            if m is not None and not m.error():
+                self.arrivals[dict(m.headers())[self.id_header].decode()] = time.time()
         consumer.close()
 
     def __enter__(self):
@@ -567,8 +572,13 @@ def latency(conn) -> None:
     print(f"  outbox_ext worker        {said(ours)}   ({ours['n']:,} events)")
     print(f"  100 ms polling relay     {said(theirs)}   "
           f"relay/worker p50 {theirs['p50'] / ours['p50']:.1f}x, p99 {theirs['p99'] / ours['p99']:.1f}x")
+    print_parts(parts, "HTTP, receiver")
+
+
+def print_parts(parts: dict, sink_side: str) -> None:
+    """Prints where_the_time_goes's split."""
     print("  the worker's time, commit -> claim (wake-up, waiting for a free slot or a round) and "
-          "claim -> arrival (hand-off, HTTP, receiver):")
+          f"claim -> arrival (hand-off, {sink_side}):")
     for part in ("to_claim", "to_arrival"):
         print(f"    {part:<12} all events p50 {parts[part]['p50']:5.1f} ms  p99 {parts[part]['p99']:5.1f} ms;  "
               f"the slowest 1%: median {parts['tail_' + part]:5.1f} ms")
