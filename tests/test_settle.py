@@ -610,10 +610,12 @@ def test_a_replayed_event_behind_a_catching_up_key_keeps_its_place_in_the_queue(
 @pytest.mark.parametrize("seed", range(MODEL_SEEDS))
 def test_random_claims_settles_nacks_and_releases_deliver_each_event_once_in_key_order(db, seed):
     """Claims of random sizes (one shard or two), each batch settled with random failures,
-    with one event rejected, nacked then settled or given back, given back outright, or left out until the relay's
-    batches are all given back (release_owner), while keys keep emitting; then a clean drain. With no relay dying, an event that went through is never handed out again, and
-    each key's events go through in the order they were emitted, every one of them but the
-    rejected, which are dead letters."""
+    with one event rejected, nacked then settled or given back, given back outright, left out
+    until the relay's batches are all given back (release_owner), or left out (some nacked)
+    until their leases run out, while keys keep emitting; then a clean drain. With no relay
+    dying mid-delivery, an event that went through is never handed out again, and each key's
+    events go through in the order they were emitted, every one of them but the rejected, which
+    are dead letters."""
     rng = random.Random(seed)
     db.execute("SELECT outbox.create_consumer('model', max_attempts => 1000, backoff_base => '1 ms', "
                "backoff_max => '1 ms')")
@@ -646,6 +648,18 @@ def test_random_claims_settles_nacks_and_releases_deliver_each_event_once_in_key
     for _ in range(60):
         emit_some()
         relay.batch_size, relay.shards = rng.choice([1, 2, 3, 5, 10]), rng.choice([1, 2])
+        if rng.random() < 0.1:
+            # the relay dies: its batches' leases run out, after nacks of some of their events
+            relay.lease = "100 ms"
+            for batch in Relay.batches(relay.claim()):
+                if rng.random() < 0.5:
+                    try:
+                        relay.nack(rng.choice(batch), "HTTP 503", retry_after="0")
+                    except psycopg.errors.ObjectNotInPrerequisiteState:
+                        pass  # the lease ran out first (a slow machine): the same case, without the nack
+            relay.lease = "30 seconds"
+            db.execute("SELECT pg_sleep(0.11)")
+            continue
         for batch in Relay.batches(relay.claim()):
             shard, epoch = batch[0].shard, batch[0].epoch
             what = rng.random()
