@@ -5,7 +5,9 @@
 -- read a smaller page (the worker probes a suspended sink with 10 events), and a copy beyond it
 -- went out from the queue and again when the shard read it in the log. They go back with the
 -- batch now, found by id (a queue may hold events of an earlier window whose seqs fall inside
--- the page's range: those stay).
+-- the page's range: those stay). And a restore gave back the batch out at dump time without
+-- that: a key its relay had nacked kept the queue the nack made, and the key's earlier events of
+-- the batch, read again, were queued behind the nacked one.
 
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.27.0'" to load this file. \quit
 
@@ -40,5 +42,49 @@ BEGIN
      WHERE q.consumer_id = c.id AND q.aggregate_id = u.aggregate_id;
     DELETE FROM outbox._parked_events q
      WHERE q.consumer_id = c.id AND q.id = ANY (page);
+END
+$$;
+
+-- Every cursor: its batch out at dump time (lease, parked heads) comes again, given back as
+-- outbox.release gives it back (a key its relay had nacked is read again from the batch's page,
+-- in order), and it reads the dump's events in the dump's ids, then the rest (see the header). Marks go: their xids are the
+-- dump's, and claims make new ones. Seals go too (one made while the dump loaded knew nothing
+-- of its events); maintain() seals the rebased log.
+CREATE OR REPLACE FUNCTION outbox_internal._rebase() RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    n   bigint;
+    top xid8;
+    sh  outbox._shards;
+    cur outbox._cursor_log;
+BEGIN
+    SELECT greatest(max(e.seq), coalesce(pg_sequence_last_value('outbox.event_seq'), 0)), max(e.txid)
+      INTO n, top FROM outbox.events e;
+    SELECT greatest(top, max(greatest(l.lo_top, l.hi_top, pg_snapshot_xmax(l.lo_snap),
+                                      pg_snapshot_xmax(l.hi_snap))))
+      INTO top FROM outbox._cursor_log l;
+    top := (coalesce(top::text::bigint, 2) + 1)::text::xid8;
+    FOR sh IN SELECT * FROM outbox._shards s ORDER BY s.consumer_id, s.shard FOR UPDATE LOOP
+        cur := outbox_internal._cursor(sh.consumer_id, sh.shard);
+        IF cur.owner IS NOT NULL THEN
+            PERFORM outbox_internal._unpark_released(c, cur)
+               FROM outbox.consumers c WHERE c.id = sh.consumer_id;
+        END IF;
+        IF cur.restored_seq IS NOT NULL THEN
+            -- restored again before it read an earlier dump's events: all of them from its
+            -- floor on come again (the ids of two dumps cannot be told apart)
+            cur := outbox_internal._lo_after_seq(cur, outbox_internal._pending_floor(cur));
+        END IF;
+        cur.owner := NULL; cur.lease_until := NULL;
+        cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
+        cur.restored_seq := n; cur.restored_top := top;
+        PERFORM outbox_internal._append(cur);
+    END LOOP;
+    DELETE FROM outbox._marks;
+    DELETE FROM outbox._seals;
+    UPDATE outbox._origin
+       SET restore_pending = false, restored_seq = n, restored_top = top, made_in = outbox_internal._here();
+    RAISE NOTICE 'outbox_ext: rebased the outbox restored from a dump (events up to seq %, txids below %)', n, top;
 END
 $$;

@@ -120,8 +120,9 @@ CREATE OR REPLACE FUNCTION outbox_internal._restore_running() RETURNS boolean
                       AND c.oid = 'outbox.events'::regclass
                       AND pg_catalog.pg_has_role(a.usesysid, c.relowner, 'MEMBER'));
 
--- Every cursor: its batch out at dump time (lease, parked heads) comes again, and it reads the
--- dump's events in the dump's ids, then the rest (see the header). Marks go: their xids are the
+-- Every cursor: its batch out at dump time (lease, parked heads) comes again, given back as
+-- outbox.release gives it back (a key its relay had nacked is read again from the batch's page,
+-- in order), and it reads the dump's events in the dump's ids, then the rest (see the header). Marks go: their xids are the
 -- dump's, and claims make new ones. Seals go too (one made while the dump loaded knew nothing
 -- of its events); maintain() seals the rebased log.
 CREATE OR REPLACE FUNCTION outbox_internal._rebase() RETURNS void
@@ -141,6 +142,10 @@ BEGIN
     top := (coalesce(top::text::bigint, 2) + 1)::text::xid8;
     FOR sh IN SELECT * FROM outbox._shards s ORDER BY s.consumer_id, s.shard FOR UPDATE LOOP
         cur := outbox_internal._cursor(sh.consumer_id, sh.shard);
+        IF cur.owner IS NOT NULL THEN
+            PERFORM outbox_internal._unpark_released(c, cur)
+               FROM outbox.consumers c WHERE c.id = sh.consumer_id;
+        END IF;
         IF cur.restored_seq IS NOT NULL THEN
             -- restored again before it read an earlier dump's events: all of them from its
             -- floor on come again (the ids of two dumps cannot be told apart)

@@ -172,6 +172,28 @@ def test_dump_and_restore_bring_everything_back_and_delivery_resumes(cluster, ne
                 "emits write natively again"   # (the reach trigger fires on partitions ahead only)
 
 
+def test_a_batch_out_at_dump_time_with_a_nack_comes_back_in_key_order(cluster, new_database):
+    """The batch out at dump time had a key's second event nacked (the key parked from there,
+    that event and its later ones queued) and was never settled: restored, the batch is given
+    back as outbox.release gives it back, so the key's first event of the batch does not go out
+    behind the nacked one."""
+    source, target = new_database(TEMPLATE), new_database()
+    with cluster.connect(source) as conn:
+        state = busy_outbox(conn)
+        shard, epoch = conn.execute(
+            "SELECT l.shard, l.epoch FROM outbox._cursor_log l "
+            "WHERE l.consumer_id = (SELECT c.id FROM outbox.consumers c WHERE c.name = 'c1') "
+            "AND l.lease_until > now() ORDER BY l.pos DESC LIMIT 1").fetchone()
+        second, = conn.execute(   # of a key not parked before, with two events or more in the batch
+            "SELECT (array_agg(e.id ORDER BY e.seq))[2] FROM outbox.events e WHERE e.id = ANY (%s::uuid[]) "
+            "AND NOT EXISTS (SELECT FROM outbox._parked p WHERE p.aggregate_id = e.aggregate_id) "
+            "GROUP BY e.aggregate_id HAVING count(*) >= 2 LIMIT 1", (list(state["out"]),)).fetchone()
+        conn.execute("SELECT outbox.nack('c1', %s, %s, %s, 'down', '0')", (shard, epoch, second))
+    dump_and_restore(cluster, source, target, "custom")
+    with cluster.connect(target) as conn:
+        check_resumed(conn, state, emit_keys(conn, keys=45, per_key=2, prefix="k"))
+
+
 # every release whose dumps hold the outbox's rows (0.6.0 on), restored table by table; the
 # last release before 0.19.0's foreign keys and the latest, in one transaction too
 EARLIER_DUMPS = ([(v, "custom") for v in RELEASED[RELEASED.index("0.6.0"):]]
