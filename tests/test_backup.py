@@ -184,10 +184,12 @@ def test_a_batch_out_at_dump_time_with_a_nack_comes_back_in_key_order(cluster, n
             "SELECT l.shard, l.epoch FROM outbox._cursor_log l "
             "WHERE l.consumer_id = (SELECT c.id FROM outbox.consumers c WHERE c.name = 'c1') "
             "AND l.lease_until > now() ORDER BY l.pos DESC LIMIT 1").fetchone()
-        second, = conn.execute(   # of a key not parked before, with two events or more in the batch
+        row = conn.execute(   # the second event of a key not parked before, in the batch
             "SELECT (array_agg(e.id ORDER BY e.seq))[2] FROM outbox.events e WHERE e.id = ANY (%s::uuid[]) "
             "AND NOT EXISTS (SELECT FROM outbox._parked p WHERE p.aggregate_id = e.aggregate_id) "
             "GROUP BY e.aggregate_id HAVING count(*) >= 2 LIMIT 1", (list(state["out"]),)).fetchone()
+        assert row, "the batch out holds two events of a key"
+        second, = row
         conn.execute("SELECT outbox.nack('c1', %s, %s, %s, 'down', '0')", (shard, epoch, second))
     dump_and_restore(cluster, source, target, "custom")
     with cluster.connect(target) as conn:
