@@ -5,9 +5,11 @@
 -- read a smaller page (the worker probes a suspended sink with 10 events), and a copy beyond it
 -- went out from the queue and again when the shard read it in the log. They go back with the
 -- batch now, found by id (a queue may hold events of an earlier window whose seqs fall inside
--- the page's range: those stay). And a restore gave back the batch out at dump time without
--- that: a key its relay had nacked kept the queue the nack made, and the key's earlier events of
--- the batch, read again, were queued behind the nacked one.
+-- the page's range: those stay). The step that unparks keys the batch parked told the page by
+-- seq range too: a key whose head the batch rejected, its queue left with an event of an earlier
+-- window, was unparked and that event lost. And a restore gave back the batch out at dump time
+-- without any of this: a key its relay had nacked kept the queue the nack made, and the key's
+-- earlier events of the batch, read again, were queued behind the nacked one.
 
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.27.0'" to load this file. \quit
 
