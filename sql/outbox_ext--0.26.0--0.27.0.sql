@@ -49,9 +49,9 @@ $$;
 
 -- Every cursor: its batch out at dump time (lease, parked heads) comes again, given back as
 -- outbox.release gives it back (a key its relay had nacked is read again from the batch's page,
--- in order), and it reads the dump's events in the dump's ids, then the rest (see the header). Marks go: their xids are the
--- dump's, and claims make new ones. Seals go too (one made while the dump loaded knew nothing
--- of its events); maintain() seals the rebased log.
+-- in order), and it reads the dump's events in the dump's ids, then the rest (see the header).
+-- Marks go: their xids are the dump's, and claims make new ones. Seals go too (one made while
+-- the dump loaded knew nothing of its events); maintain() seals the rebased log.
 CREATE OR REPLACE FUNCTION outbox_internal._rebase() RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
