@@ -156,26 +156,30 @@ BEGIN
 END
 $$;
 
--- The shards where a claim may find something for the consumer, in order: those not under a
--- live lease with parked keys due, a window open, a restored cursor, a floor behind a seal,
--- or an event above their floor — what _free_cursor asks of each shard, asked of all of them
--- read-only, without locking a shard or taking an xid. NULL: every shard (one picked at random
--- is free with a window open, as most are in a backlog, where reading every cursor would cost
--- more than it saves). Empty: no shard, so a claim with nothing to do (an idle relay's poll,
--- or one whose work is all leased) stops here and writes nothing: no row lock, no mark, no
--- commit record. A shard listed may still give nothing (a lock, a lease taken since, events
--- not yet committed). Listed, a claim of a sparse stream tries the one shard that has events
--- instead of every shard in turn (#38: about half of such a claim).
+-- The shards where a claim may find something for the consumer: those not under a live lease
+-- with parked keys due, a window open, a restored cursor, a floor behind a seal, or an event
+-- above their floor — what _free_cursor asks of each shard, asked of all of them read-only,
+-- without locking a shard or taking an xid. In the order their cursors last moved, longest
+-- ago first: a claim takes the shard that has waited longest, so that an event waits behind
+-- at most one batch of each other shard (picked at random, a shard could be passed over claim
+-- after claim while more shards had work than a relay has slots). NULL: every shard (one
+-- picked at random is free with a window open, as most are in a backlog, where reading every
+-- cursor would cost more than it saves). Empty: no shard, so a claim with nothing to do (an
+-- idle relay's poll, or one whose work is all leased) stops here and writes nothing: no row
+-- lock, no mark, no commit record. A shard listed may still give nothing (a lock, a lease
+-- taken since, events not yet committed). Listed, a claim of a sparse stream tries the one
+-- shard that has events instead of every shard in turn (#38: about half of such a claim).
 CREATE OR REPLACE FUNCTION outbox_internal._shards_with_work(consumer_id int) RETURNS int[]
     LANGUAGE plpgsql STABLE
 AS $$
 DECLARE
     one    outbox._cursor_log := outbox_internal._cursor(consumer_id, floor(random() * outbox.shard_count())::int);
     newest outbox._seals;
-    listed int[];    -- shards with a window open, restored, or behind a seal
+    listed int[];    -- shards with a window open, restored, or behind a seal; then with work
     leased int[];    -- shards under a live lease (or a release's wait)
     shards int[];    -- every shard, in order
     floors bigint[]; -- and its floor
+    waited int[];    -- every shard, the longest since its cursor last moved first
     due    int[] := '{}';
 BEGIN
     IF (one.hi_snap IS NOT NULL OR one.restored_seq IS NOT NULL) AND coalesce(one.lease_until <= now(), true) THEN
@@ -189,8 +193,9 @@ BEGIN
                           OR outbox_internal._behind_a_seal(cur.l, newest)),
            array_agg(s.shard ORDER BY s.shard) FILTER (WHERE (cur.l).lease_until > now()),
            array_agg(s.shard ORDER BY s.shard),
-           array_agg(outbox_internal._pending_floor(cur.l) ORDER BY s.shard)
-      INTO listed, leased, shards, floors
+           array_agg(outbox_internal._pending_floor(cur.l) ORDER BY s.shard),
+           array_agg(s.shard ORDER BY (cur.l).pos)
+      INTO listed, leased, shards, floors, waited
       FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
      CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
                           WHERE l.consumer_id = _shards_with_work.consumer_id AND l.shard = s.shard
@@ -206,14 +211,14 @@ BEGIN
                                        AND p.next_attempt_at <= now()));
     END IF;
     -- one since for every shard (the lowest floor's): partitions pruned before they are opened
-    RETURN ARRAY(SELECT DISTINCT s
-                   FROM unnest(coalesce(listed, '{}') || due
-                               || outbox_internal._shards_with_new_events(
-                                      shards, floors,
-                                      outbox_internal._since((SELECT min(f) FROM unnest(floors) AS f), newest),
-                                      outbox_internal._reach())) AS s
-                  WHERE s <> ALL (coalesce(leased, '{}'))
-                  ORDER BY s);
+    listed := coalesce(listed, '{}') || due
+              || outbox_internal._shards_with_new_events(
+                     shards, floors,
+                     outbox_internal._since((SELECT min(f) FROM unnest(floors) AS f), newest),
+                     outbox_internal._reach());
+    RETURN ARRAY(SELECT w.s FROM unnest(waited) WITH ORDINALITY AS w(s, i)
+                  WHERE w.s = ANY (listed) AND w.s <> ALL (coalesce(leased, '{}'))
+                  ORDER BY w.i);
 END
 $$;
 
@@ -254,11 +259,12 @@ BEGIN
 END
 $$;
 
--- Claim the next batch of at most `batches` free shards of those listed (_shards_with_work;
--- NULL: all), tried from a random one on: each shard's events in commit order, handed out by
--- _claim_page, which also writes the shard's claim row; or, when a shard has parked keys, the
--- rows of _claim_parked, returned. Each shard its own batch and epoch; the windows opened all
--- close at the transaction's one bound (seq_mark, x). Nothing when no shard has work.
+-- Claim the next batch of at most `batches` free shards of those listed (_shards_with_work), in
+-- their order (NULL: all, tried from a random one on): each shard's events in commit order,
+-- handed out by _claim_page, which also writes the shard's claim row; or, when a shard has
+-- parked keys, the rows of _claim_parked, returned. Each shard its own batch and epoch; the
+-- windows opened all close at the transaction's one bound (seq_mark, x). Nothing when no shard
+-- has work.
 CREATE OR REPLACE FUNCTION outbox_internal._claim(c outbox.consumers, batch_size int, lease interval,
                                          owner text, seq_mark bigint, x xid8, shards int[], batches int)
 RETURNS SETOF outbox.claimed
@@ -267,7 +273,7 @@ AS $$
 DECLARE
     tried  int[] := coalesce(shards, ARRAY(SELECT generate_series(0, outbox.shard_count() - 1)));
     n      int := cardinality(tried);
-    start  int := floor(random() * n)::int;
+    start  int := CASE WHEN shards IS NULL THEN floor(random() * n)::int ELSE 0 END;
     newest outbox._seals := outbox_internal._newest_seal();  -- read once: see _since
     until  timestamptz := outbox_internal._reach();  -- for the probes; a window reads it again
     free   record;

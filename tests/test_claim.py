@@ -442,6 +442,30 @@ def test_a_claim_of_a_sparse_stream_locks_only_the_shards_with_work(db, connect,
         relay_conn.commit()
 
 
+def test_a_claim_takes_the_shard_that_has_waited_longest(db, consumer):
+    """With several shards holding work, a claim takes the one whose cursor last moved longest
+    ago, whatever the order their events committed in: picked at random, a shard could be
+    passed over claim after claim while the others were served (events waited up to 280 ms
+    into Kafka at 1,000 events/s)."""
+    served = [9, 2, 14, 5, 11, 0]
+    keys = {shard: keys_in_shard(db, shard, 1)[0] for shard in served}
+    relay = Relay(db, consumer)
+    for shard in served:  # each shard's cursor moves, in this order
+        emit(db, keys[shard])
+        batch = relay.claim()
+        assert [e.shard for e in batch] == [shard]
+        relay.ack(shard, batch[0].epoch)
+    for shard in reversed(served):  # new events in every one, newest served first
+        emit(db, keys[shard])
+    taken = []
+    for _ in served:
+        batch = relay.claim()
+        taken.append(batch[0].shard)
+        relay.ack(batch[0].shard, batch[0].epoch)
+    assert taken == served
+    assert relay.claim() == []
+
+
 def test_settle_and_claim_takes_several_shards(db, consumer):
     keys = [keys_in_shard(db, shard, 1)[0] for shard in (1, 4, 7)]
     emit(db, keys[0])
