@@ -21,7 +21,7 @@ CREATE TABLE IF NOT EXISTS outbox.sinks (
                                             -- v2: json | binary; v3: json | binary | string
                                             -- (NULL: the first)
     batch_size      int         NOT NULL DEFAULT 100,
-    concurrency     int         NOT NULL DEFAULT 4,   -- shards (requests) in flight at once
+    concurrency     int         NOT NULL DEFAULT 8,   -- shards (requests) in flight at once
     connect_timeout interval    NOT NULL DEFAULT '5 seconds',
     request_timeout interval    NOT NULL DEFAULT '30 seconds',
     secret          text,                   -- webhook: Standard Webhooks key, whsec_<base64>;
@@ -214,7 +214,7 @@ CREATE OR REPLACE FUNCTION outbox.create_sink(
     aggregate_types text[]   DEFAULT NULL,
     format          text     DEFAULT NULL,
     batch_size      int      DEFAULT 100,
-    concurrency     int      DEFAULT 4,
+    concurrency     int      DEFAULT 8,
     connect_timeout interval DEFAULT '5 seconds',
     request_timeout interval DEFAULT '30 seconds',
     secret          text     DEFAULT NULL,

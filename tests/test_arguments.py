@@ -36,7 +36,7 @@ VALID = {
                                "backoff_base": "1 s", "backoff_max": "10 min"},
     "outbox.drop_consumer": {"name": "c"},
     "outbox.create_sink": {"name": "s", "kind": "webhook", "url": "http://127.0.0.1:9/", "topics": None,
-                           "aggregate_types": None, "format": None, "batch_size": 100, "concurrency": 4,
+                           "aggregate_types": None, "format": None, "batch_size": 100, "concurrency": 8,
                            "connect_timeout": "5 s", "request_timeout": "30 s", "secret": None,
                            "http_headers": None, "tls_ca": None, "topic_map": None, "cluster_id": None,
                            "compression": None, "linger": "5 ms", "sasl_mechanism": None,

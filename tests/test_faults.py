@@ -134,7 +134,7 @@ def test_immediate_shutdown_mid_stream(faulty):
             pass                                   # the server went away under us
     try:
         with connect(faulty) as conn:
-            sink = webhook(conn, receiver.url, batch_size=25)
+            sink = webhook(conn, receiver.url, batch_size=25, concurrency=4)
         producer = threading.Thread(target=produce)
         producer.start()
         wait_for(lambda: len(receiver.accepted_events()) >= 50)

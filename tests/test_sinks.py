@@ -62,7 +62,7 @@ def test_a_kafka_sink_takes_brokers_sasl_and_producer_settings(db):
 def test_defaults_and_drop(db):
     create(db, **GOOD)
     row = db.execute("SELECT format, batch_size, concurrency, enabled FROM outbox.sinks").fetchone()
-    assert row == ("batch", 100, 4, True)
+    assert row == ("batch", 100, 8, True)
     with pytest.raises(psycopg.errors.DuplicateObject):
         create(db, **GOOD)
     assert db.execute("SELECT outbox.drop_sink('hook')").fetchone()[0] is True

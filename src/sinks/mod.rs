@@ -377,7 +377,7 @@ pub fn test_config(kind: Kind, url: &str) -> Config {
         topics: None,
         aggregate_types: None,
         batch_size: 100,
-        concurrency: 4,
+        concurrency: 8,
         connect_timeout: Duration::from_secs(5),
         request_timeout: Duration::from_secs(30),
         secret: None,
