@@ -17,16 +17,16 @@ ALTER TABLE outbox.sinks ALTER COLUMN concurrency SET DEFAULT 8;
 -- The shards where a claim may find something for the consumer: those not under a live lease
 -- with parked keys due, a window open, a restored cursor, a floor behind a seal, or an event
 -- above their floor — what _free_cursor asks of each shard, asked of all of them read-only,
--- without locking a shard or taking an xid. In the order their cursors last moved, longest
--- ago first: a claim takes the shard that has waited longest, so that an event waits behind
--- at most one batch of each other shard (picked at random, a shard could be passed over claim
--- after claim while more shards had work than a relay has slots). NULL: every shard (one
--- picked at random is free with a window open, as most are in a backlog, where reading every
--- cursor would cost more than it saves). Empty: no shard, so a claim with nothing to do (an
--- idle relay's poll, or one whose work is all leased) stops here and writes nothing: no row
--- lock, no mark, no commit record. A shard listed may still give nothing (a lock, a lease
--- taken since, events not yet committed). Listed, a claim of a sparse stream tries the one
--- shard that has events instead of every shard in turn (#38: about half of such a claim).
+-- without locking a shard or taking an xid. In the order their cursors last moved, longest ago
+-- first: a claim takes the shard that has waited longest, so that an event normally waits
+-- behind no more than one batch of each other shard (picked at random, a shard could be passed
+-- over claim after claim while more shards had work than a relay has slots). NULL: every shard
+-- (one picked at random is free with a window open, as most are in a backlog, where reading
+-- every cursor would cost more than it saves). Empty: no shard, so a claim with nothing to do
+-- (an idle relay's poll, or one whose work is all leased) stops here and writes nothing: no row
+-- lock, no mark, no commit record. A shard listed may still give nothing (a lock, a lease taken
+-- since, events not yet committed). Listed, a claim of a sparse stream tries the one shard that
+-- has events instead of every shard in turn (#38: about half of such a claim).
 CREATE OR REPLACE FUNCTION outbox_internal._shards_with_work(consumer_id int) RETURNS int[]
     LANGUAGE plpgsql STABLE
 AS $$
