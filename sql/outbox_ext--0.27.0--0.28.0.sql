@@ -35,9 +35,8 @@ DECLARE
     newest outbox._seals;
     listed int[];    -- shards with a window open, restored, or behind a seal; then with work
     leased int[];    -- shards under a live lease (or a release's wait)
-    shards int[];    -- every shard, in order
+    shards int[];    -- every shard, the longest since its cursor last moved first
     floors bigint[]; -- and its floor
-    waited int[];    -- every shard, the longest since its cursor last moved first
     due    int[] := '{}';
 BEGIN
     IF (one.hi_snap IS NOT NULL OR one.restored_seq IS NOT NULL) AND coalesce(one.lease_until <= now(), true) THEN
@@ -50,10 +49,9 @@ BEGIN
                FILTER (WHERE (cur.l).hi_snap IS NOT NULL OR (cur.l).restored_seq IS NOT NULL
                           OR outbox_internal._behind_a_seal(cur.l, newest)),
            array_agg(s.shard ORDER BY s.shard) FILTER (WHERE (cur.l).lease_until > now()),
-           array_agg(s.shard ORDER BY s.shard),
-           array_agg(outbox_internal._pending_floor(cur.l) ORDER BY s.shard),
-           array_agg(s.shard ORDER BY (cur.l).pos)
-      INTO listed, leased, shards, floors, waited
+           array_agg(s.shard ORDER BY (cur.l).pos),
+           array_agg(outbox_internal._pending_floor(cur.l) ORDER BY (cur.l).pos)
+      INTO listed, leased, shards, floors
       FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
      CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
                           WHERE l.consumer_id = _shards_with_work.consumer_id AND l.shard = s.shard
@@ -74,7 +72,7 @@ BEGIN
                      shards, floors,
                      outbox_internal._since((SELECT min(f) FROM unnest(floors) AS f), newest),
                      outbox_internal._reach());
-    RETURN ARRAY(SELECT w.s FROM unnest(waited) WITH ORDINALITY AS w(s, i)
+    RETURN ARRAY(SELECT w.s FROM unnest(shards) WITH ORDINALITY AS w(s, i)
                   WHERE w.s = ANY (listed) AND w.s <> ALL (coalesce(leased, '{}'))
                   ORDER BY w.i);
 END
