@@ -534,6 +534,38 @@ def test_a_batch_given_back_leaves_the_queued_events_of_an_earlier_window(db, co
     assert [e.payload["i"] for e in out if e.aggregate_id == a] == ([1] if head_rejected else [0, 1])
 
 
+@pytest.mark.parametrize("give_back", ["release", "release_owner", "lease"])
+@pytest.mark.parametrize("how", ["reject", "nack at max_attempts"])
+def test_a_window_event_dead_lettered_then_given_back_comes_again_and_is_not_dead(db, relay, how, give_back):
+    """reject (or a nack of the last attempt) dead-letters an event of the window at once; the
+    relay then gives the batch back (release, release_owner, or its lease runs out): the page
+    is read again and the event comes again with it, so its dead letter goes with the batch.
+    Kept, the event was delivered and dead at once, and a replay sent it once more, after its
+    key's later events."""
+    a, b = keys_in_shard(db, 5, 2)
+    if how == "nack at max_attempts":
+        db.execute("UPDATE outbox.consumers SET max_attempts = 1 WHERE name = 'sink'")
+    relay.owner, relay.lease = "r1", "200 ms" if give_back == "lease" else "30 seconds"
+    batch, by_key = emit_batch(db, relay, {a: 2, b: 1})
+    if how == "reject":
+        db.execute("SELECT outbox.reject('sink', %s, %s, %s, 'HTTP 422')", (batch[0].shard, batch[0].epoch, by_key[a][0].id))
+    else:
+        relay.nack(by_key[a][0], "HTTP 422")
+    assert dead(db) == [(a, 0, "HTTP 422")]
+    if give_back == "release":
+        relay.release(batch[0].shard, batch[0].epoch)
+    elif give_back == "release_owner":
+        db.execute("SELECT outbox.release_owner('sink', 'r1')")
+    else:
+        time.sleep(0.25)    # given back when the next claim takes the shard
+    assert dead(db) == ([] if give_back != "lease" else [(a, 0, "HTTP 422")])
+    relay.lease = "30 seconds"
+    out = relay.drain()
+    assert dead(db) == [], "given back: as if never claimed"
+    assert [(e.aggregate_id, e.payload["i"]) for e in out] == [(a, 0), (b, 0), (a, 1)], "each once, in order"
+    assert db.execute("SELECT outbox.replay('sink')").fetchone()[0] == 0 and relay.drain() == []
+
+
 def test_a_failure_inside_a_catching_up_keys_queue_counts_against_that_event(db, relay):
     """A key catching up hands out several events of its queue; the third fails: the first two
     went through and leave the queue, the third is the head now with one attempt counted, the
@@ -610,12 +642,13 @@ def test_a_replayed_event_behind_a_catching_up_key_keeps_its_place_in_the_queue(
 @pytest.mark.parametrize("seed", range(MODEL_SEEDS))
 def test_random_claims_settles_nacks_and_releases_deliver_each_event_once_in_key_order(db, seed):
     """Claims of random sizes (one shard or two), each batch settled with random failures (or
-    settled with them and the next batch claimed in one call), with one event rejected, nacked
-    then settled or given back, given back outright, left out until the relay's batches are all
-    given back (release_owner), or left out (some nacked) until their leases run out, while
-    keys keep emitting; then a clean drain. With no relay dying mid-delivery, an event that went
-    through is never handed out again, and each key's events go through in the order they were
-    emitted, every one of them but the rejected, which are dead letters."""
+    settled with them and the next batch claimed in one call), with one event rejected then
+    settled or given back, one nacked then settled or given back, given back outright, left out
+    until the relay's batches are all given back (release_owner), or left out (some nacked)
+    until their leases run out, while keys keep emitting; then a clean drain. With no relay
+    dying mid-delivery, an event that went through is never handed out again, and each key's
+    events go through in the order they were emitted, every one of them but the dead letters
+    (rejected and settled, or a rejected head given back)."""
     rng = random.Random(seed)
     db.execute("SELECT setseed(%s)", (seed % 1000 / 1000,))   # the shard a claim tries first
     db.execute("SELECT outbox.create_consumer('model', max_attempts => 1000, backoff_base => '1 ms', "
@@ -670,7 +703,20 @@ def test_random_claims_settles_nacks_and_releases_deliver_each_event_once_in_key
                 continue
             if what < 0.2:
                 rejected = rng.choice(batch)
+                head = db.execute("SELECT %s = ANY (l.heads) FROM outbox._cursor_log l JOIN outbox.consumers c "
+                                  "ON c.id = l.consumer_id WHERE c.name = 'model' AND l.shard = %s AND l.epoch = %s "
+                                  "ORDER BY l.pos DESC LIMIT 1", (rejected.id, shard, epoch)).fetchone()[0]
                 db.execute("SELECT outbox.reject('model', %s, %s, %s, 'HTTP 422')", (shard, epoch, rejected.id))
+                if rng.random() < 0.3:
+                    # given back: an event of the page comes again and is not dead; a head
+                    # stays dead (unless the page holds it too: then it comes again)
+                    relay.release(shard, epoch)
+                    still_dead = db.execute("SELECT EXISTS (SELECT FROM outbox.dead_letters WHERE consumer = 'model' "
+                                            "AND event_id = %s)", (rejected.id,)).fetchone()[0]
+                    assert head or not still_dead, "a rejected event of the page given back is not dead"
+                    if still_dead:
+                        dead.add((rejected.aggregate_id, rejected.payload["i"]))
+                    continue
                 dead.add((rejected.aggregate_id, rejected.payload["i"]))
                 relay.settle(shard, epoch)
                 done, _ = deliver(batch, {rejected.id})
