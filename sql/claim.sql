@@ -116,8 +116,9 @@ $$;
 
 -- A shard's cursor if a claim may take the shard now: it locks the shard (SKIP LOCKED), which
 -- then has no batch out under a live lease, and has something to read: parked keys (parked),
--- a window open, or an event above its floor (one index probe; no window is opened for
--- nothing), or a floor behind the newest seal (an empty window read once moves it past).
+-- a window open, or an event it may read (above _probe_floor: one index probe; no window is
+-- opened for nothing), or a floor behind the newest seal (an empty window read once moves it
+-- past).
 -- Otherwise no cursor.
 CREATE OR REPLACE FUNCTION outbox_internal._free_cursor(consumer_id int, shard int, newest outbox._seals,
                                                until timestamptz, OUT cur outbox._cursor_log, OUT parked boolean)
@@ -146,7 +147,7 @@ BEGIN
     parked := EXISTS (SELECT FROM outbox._parked p
                        WHERE p.consumer_id = _free_cursor.consumer_id AND p.shard = _free_cursor.shard);
     IF NOT parked AND cur.hi_snap IS NULL AND cur.restored_seq IS NULL THEN
-        floor_seq := outbox_internal._pending_floor(cur);  -- a value: the probe's index bound
+        floor_seq := outbox_internal._probe_floor(cur, pg_current_snapshot());  -- a value: the probe's index bound
         since := outbox_internal._since(floor_seq, newest);
         IF NOT outbox_internal._any_events(ARRAY[shard], ARRAY[floor_seq], since, until)
            AND NOT outbox_internal._behind_a_seal(cur, newest) THEN
@@ -158,7 +159,7 @@ $$;
 
 -- The shards where a claim may find something for the consumer: those not under a live lease
 -- with parked keys due, a window open, a restored cursor, a floor behind a seal, or an event
--- above their floor — what _free_cursor asks of each shard, asked of all of them read-only,
+-- they may read (above _probe_floor) — what _free_cursor asks of each shard, asked of all of them read-only,
 -- without locking a shard or taking an xid. In the order their cursors last moved, longest ago
 -- first: a claim takes the shard that has waited longest, so that an event normally waits
 -- behind no more than one batch of each other shard (picked at random, a shard could be passed
@@ -178,7 +179,8 @@ DECLARE
     listed int[];    -- shards with a window open, restored, or behind a seal; then with work
     leased int[];    -- shards under a live lease (or a release's wait)
     shards int[];    -- every shard, the longest since its cursor last moved first
-    floors bigint[]; -- and its floor
+    floors bigint[]; -- and where its probe starts
+    snap   pg_snapshot := pg_current_snapshot();
     due    int[] := '{}';
 BEGIN
     IF (one.hi_snap IS NOT NULL OR one.restored_seq IS NOT NULL) AND coalesce(one.lease_until <= now(), true) THEN
@@ -192,7 +194,7 @@ BEGIN
                           OR outbox_internal._behind_a_seal(cur.l, newest)),
            array_agg(s.shard ORDER BY s.shard) FILTER (WHERE (cur.l).lease_until > now()),
            array_agg(s.shard ORDER BY (cur.l).pos),
-           array_agg(outbox_internal._pending_floor(cur.l) ORDER BY (cur.l).pos)
+           array_agg(outbox_internal._probe_floor(cur.l, snap) ORDER BY (cur.l).pos)
       INTO listed, leased, shards, floors
       FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
      CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
@@ -241,16 +243,21 @@ $$;
 -- Nothing new since the last window (cur: the window just opened, found empty): record the
 -- empty window as read when that raises the floor, so the next claim's probe starts above it;
 -- when the claim began in a window that held nothing more (stale: else every poll would read
--- it to its end again, and _shards_with_work would never say none); or when the shard was read
--- for a seal (once per seal).
+-- it to its end again, and _shards_with_work would never say none); when that raises where the
+-- next probe starts (an event committed before the bound's snapshot but numbered after its
+-- mark lies above lo.seq, read already: else it would list the shard at every poll while a
+-- long transaction holds the floor down); or when the shard was read for a seal (once per
+-- seal).
 CREATE OR REPLACE FUNCTION outbox_internal._record_empty(cur outbox._cursor_log, stale boolean, newest outbox._seals)
 RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
     next outbox._cursor_log := outbox_internal._advance(cur, NULL, true);
+    snap pg_snapshot := pg_current_snapshot();
 BEGIN
     IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) OR stale
+       OR outbox_internal._probe_floor(next, snap) > outbox_internal._probe_floor(cur, snap)
        OR outbox_internal._behind_a_seal(cur, newest) THEN
         PERFORM outbox_internal._append(next);
     END IF;

@@ -331,6 +331,28 @@ BEGIN
 END
 $$;
 
+-- Where a probe for something to read in an idle shard (its lo, no window open) starts: every
+-- event still to come has a seq above this. That is lo.seq, or lower for a transaction of lo's
+-- in-progress list that snap sees ended: its events (above its floor) come in the next window.
+-- One still in progress is left out: its events cannot be read before it ends, and its end
+-- shows in a later snapshot. (The pending floor counts them all: with a transaction holding an
+-- xid open for minutes, every shard that had an event since it began looked as if it had work,
+-- and each idle poll locked them all, took an xid and wrote WAL.)
+CREATE OR REPLACE FUNCTION outbox_internal._probe_floor(cur outbox._cursor_log, snap pg_snapshot) RETURNS bigint
+    LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+AS $$
+DECLARE
+    low bigint := cur.lo_seq;
+BEGIN
+    FOR i IN 1 .. coalesce(cardinality(cur.lo_txids), 0) LOOP
+        IF cur.lo_floors[i] < low AND pg_catalog.pg_visible_in_snapshot(cur.lo_txids[i], snap) THEN
+            low := cur.lo_floors[i];
+        END IF;
+    END LOOP;
+    RETURN least(low, cur.restored_seq);
+END
+$$;
+
 -- The newest seal (NULLs when there is none).
 CREATE OR REPLACE FUNCTION outbox_internal._newest_seal() RETURNS outbox._seals
     LANGUAGE plpgsql STABLE

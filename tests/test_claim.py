@@ -535,6 +535,35 @@ def test_a_claim_with_nothing_to_read_locks_nothing_and_writes_nothing(db, conne
     assert len(connect().execute("SELECT * FROM outbox.claim('sink')").fetchall()) == 1
 
 
+def test_an_idle_poll_stays_idle_while_a_long_transaction_holds_an_xid(db, connect, consumer):
+    """A transaction that took an xid and stays open (a long report, a migration, a session
+    left idle in transaction) is in progress at every window's bound after it: its events are
+    read once it ends. Until 0.29.0 the floors of the shards stayed below it, so every shard
+    that had an event since looked as if it had work, and each idle poll locked them all, took
+    an xid and wrote a cursor row. Now a poll with nothing to read stays idle; the long
+    transaction's own event arrives once it commits, and others' events as they come."""
+    keys = [keys_in_shard(db, s, 1)[0] for s in range(16)]
+    relay = Relay(db, consumer, batch_size=100, shards=16)
+    long = connect(autocommit=False)
+    emit(long, keys[3], payload={"late": True})    # the lowest seq, committed last
+    for key in keys:
+        emit(db, key)
+    assert sorted(e.aggregate_id for e in relay.drain()) == sorted(keys)
+    emit(db, keys[5])
+    assert [e.aggregate_id for e in relay.drain()] == [keys[5]]
+    cursors = db.execute("SELECT count(*) FROM outbox._cursor_log").fetchone()[0]
+    for _ in range(3):
+        with db.transaction():
+            assert db.execute("SELECT count(*) FROM outbox.claim('sink', shards => 16)").fetchone()[0] == 0
+            assert db.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None, "no xid, no lock"
+    assert db.execute("SELECT count(*) FROM outbox._cursor_log").fetchone()[0] == cursors, "nothing written"
+    emit(db, keys[7])
+    assert [e.aggregate_id for e in relay.drain()] == [keys[7]], "others' events as they come"
+    long.commit()
+    late = relay.drain()
+    assert [(e.aggregate_id, e.payload) for e in late] == [(keys[3], {"late": True})], "its own once it commits"
+
+
 def test_a_claim_whose_only_work_is_leased_stays_idle(db, connect, consumer):
     """Events wait in a shard another relay holds: a second relay's poll finds nothing to take
     and, as an idle poll, takes no xid and writes nothing."""
