@@ -3,12 +3,13 @@
 # one run (no network):
 #   outbox.status and outbox.shard_status with BIG events in the log, pending and delivered
 #   a drain of BIG events against one of SMALL (one relay, batch 100, claim + settle)
-#   an empty claim (16 shards, nothing to read)
+#   an empty claim (16 shards, nothing to read), also while a transaction holds an xid open
 #   outbox.maintain() with nothing to do, at 4 and at about 400 partitions
 #   claim + settle with 4 partitions, with 198 more ahead of now, with 198 more of history
 #   (sealed), and with those and 199 more ahead
 # Targets (#14): status under 20 ms; the big drain >= 0.8x the small one's rate; an empty
-# claim under 1 ms; maintain under 50 ms at 400 partitions; 200 partitions within 1.25x of 4.
+# claim under 1 ms (and no WAL with an xid held open); maintain under 50 ms at 400 partitions;
+# 200 partitions within 1.25x of 4.
 # Usage: bench/costs.sh [big, default 2000000] [small, default 20000]
 source "$(dirname "$0")/common.sh"
 BIG=${1:-2000000}
@@ -63,6 +64,18 @@ log "status with $BIG delivered: ${v[status_done]} ms, shard_status ${v[shard_do
 echo "SELECT count(*) FROM outbox.claim('bench', 100);" > "$WORK/empty.sql"   # a transaction each
 v[empty]=$(awk -v t="$(pgbench_run "$WORK/empty.sql" 1 -T 5)" 'BEGIN{printf "%.3f", 1000/t}')
 log "empty claim: ${v[empty]} ms"
+# the same while a transaction holds an xid open (a session idle in transaction after a write),
+# begun before a drain that gave every shard events: until 0.29.0 each such claim locked every
+# shard, took an xid and wrote WAL
+"$BIN/psql" -X -q -h 127.0.0.1 -p "$PORT" -U postgres -d bench -c "BEGIN" \
+    -c "SELECT pg_current_xact_id()" -c "SELECT pg_sleep(3600) /* xid holder */" >/dev/null 2>&1 &
+until [ "$(sql_value "SELECT count(*) FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND query LIKE '%xid holder%'")" = 1 ]; do sleep 0.1; done
+fill "$SMALL"; drain "$SMALL" >/dev/null
+wal=$(sql_value "SELECT pg_current_wal_insert_lsn()")
+v[empty_held]=$(awk -v t="$(pgbench_run "$WORK/empty.sql" 1 -t 2000)" 'BEGIN{printf "%.3f", 1000/t}')
+v[empty_held_wal]=$(sql_value "SELECT round(pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '$wal') / 2000)")
+sql_value "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE query LIKE '%xid holder%' AND pid <> pg_backend_pid()" >/dev/null
+log "empty claim with an xid held open: ${v[empty_held]} ms, ${v[empty_held_wal]} B of WAL"
 
 # partitions: one-minute ones, 4 (this minute, two ahead, the default), then about 200 and 400
 parts() { sql_value "SELECT count(*) FROM outbox.partitions WHERE parent = 'outbox.events'::regclass"; }
@@ -103,6 +116,7 @@ echo "| outbox.status, $BIG events delivered | ${v[status_done]} ms | | target <
 echo "| outbox.shard_status, $BIG events delivered | ${v[shard_done]} ms | | target < 20 ms |"
 echo "| drain of $BIG (batch 100, 1 relay) | ${v[big]}/s | drain of $SMALL: ${v[small]}/s | $(ratio "${v[big]}" "${v[small]}") (target >= 0.8x) |"
 echo "| empty claim, 16 shards | ${v[empty]} ms | | target < 1 ms |"
+echo "| empty claim, 16 shards, while a transaction holds an xid open | ${v[empty_held]} ms, ${v[empty_held_wal]} B of WAL | with none: ${v[empty]} ms | target < 1 ms, no WAL |"
 echo "| maintain(), nothing to do, ${v[parts_400]} partitions | ${v[maintain_400]} ms | ${v[parts_4]} partitions: ${v[maintain_4]} ms | target < 50 ms |"
 echo "| claim + settle, ${v[parts_ahead]} partitions (198 ahead of now) | ${v[claim_ahead]}/s | ${v[parts_4]} partitions: ${v[claim_4]}/s | $(ratio "${v[claim_ahead]}" "${v[claim_4]}") (target >= 0.8x) |"
 echo "| claim + settle, ${v[parts_past]} partitions (198 of history, sealed) | ${v[claim_past]}/s | ${v[parts_4]} partitions: ${v[claim_4]}/s | $(ratio "${v[claim_past]}" "${v[claim_4]}") (target >= 0.8x) |"
