@@ -650,7 +650,7 @@ def test_random_claims_settles_nacks_and_releases_deliver_each_event_once_in_key
     events go through in the order they were emitted, every one of them but the dead letters
     (rejected and settled, or a rejected head given back)."""
     rng = random.Random(seed)
-    db.execute("SELECT setseed(%s)", (seed % 1000 / 1000,))   # the shard a claim tries first
+    db.execute("SELECT setseed(%s)", (seed % 1000 / 1000,))   # the shard a claim samples (and, with no list, starts at)
     db.execute("SELECT outbox.create_consumer('model', max_attempts => 1000, backoff_base => '1 ms', "
                "backoff_max => '1 ms')")
     keys = keys_in_shard(db, 4, 3) + keys_in_shard(db, 9, 2)
