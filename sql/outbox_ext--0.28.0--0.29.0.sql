@@ -24,7 +24,10 @@
 -- beyond it would go out from the queue and again from the log. And an event of the page
 -- dead-lettered at once (reject, or a nack of its last attempt) comes again with the page, so
 -- its dead letter goes: kept, the event was both delivered and dead, and a replay sent it again
--- after its key's later events. A dead head stays dead: it left its queue, and is not read again.
+-- after its key's later events. A dead head stays dead: it left its queue, and is not read again
+-- (unless the page holds it too: then it comes again with the page). The page is read on every
+-- give-back of a consumer that has dead letters; give-backs are rare (a suspended sink's probes
+-- are 10 events) and a page is at most a batch.
 -- The page's events are known by id, not by seq range: a queue may hold an event of an earlier
 -- window whose seq falls inside this page's range.
 CREATE OR REPLACE FUNCTION outbox_internal._unpark_released(c outbox.consumers, cur outbox._cursor_log) RETURNS void

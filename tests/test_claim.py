@@ -564,6 +564,32 @@ def test_an_idle_poll_stays_idle_while_a_long_transaction_holds_an_xid(db, conne
     assert [(e.aggregate_id, e.payload) for e in late] == [(keys[3], {"late": True})], "its own once it commits"
 
 
+def test_an_idle_poll_stays_idle_after_a_transaction_in_flight_at_a_bound_ends(db, connect, consumer):
+    """While a long transaction holds an xid, another one (T) is in flight when a claim takes
+    its bound for shard B: T is in that bound's in-progress list, with a floor below B's event.
+    Once T ends, B is probed from that floor again, finds its delivered event and opens an
+    empty window once; that window must be recorded (the probe floor rose), or the long
+    transaction keeps the pending floor where it was and every idle poll opens it again,
+    taking an xid."""
+    a, = keys_in_shard(db, 2, 1)
+    b, = keys_in_shard(db, 9, 1)
+    relay = Relay(db, consumer, batch_size=100, shards=16)
+    long = connect(autocommit=False)
+    long.execute("SELECT pg_current_xact_id()")
+    t = connect(autocommit=False)
+    emit(t, a)
+    emit(db, b)
+    assert [e.aggregate_id for e in relay.drain()] == [b]
+    t.commit()
+    assert [e.aggregate_id for e in relay.drain()] == [a]
+    relay.drain()   # B's empty window, once
+    for _ in range(3):
+        with db.transaction():
+            assert db.execute("SELECT count(*) FROM outbox.claim('sink', shards => 16)").fetchone()[0] == 0
+            assert db.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None, "no xid, no lock"
+    long.rollback()
+
+
 def test_a_claim_whose_only_work_is_leased_stays_idle(db, connect, consumer):
     """Events wait in a shard another relay holds: a second relay's poll finds nothing to take
     and, as an idle poll, takes no xid and writes nothing."""
