@@ -172,11 +172,13 @@ def test_dump_and_restore_bring_everything_back_and_delivery_resumes(cluster, ne
                 "emits write natively again"   # (the reach trigger fires on partitions ahead only)
 
 
-def test_a_batch_out_at_dump_time_with_a_nack_comes_back_in_key_order(cluster, new_database):
+@pytest.mark.parametrize("how", ["nack", "reject"])
+def test_a_batch_out_at_dump_time_with_a_nack_comes_back_in_key_order(cluster, new_database, how):
     """The batch out at dump time had a key's second event nacked (the key parked from there,
     that event and its later ones queued) and was never settled: restored, the batch is given
     back as outbox.release gives it back, so the key's first event of the batch does not go out
-    behind the nacked one."""
+    behind the nacked one. Rejected instead (dead-lettered at once), the event comes again with
+    the batch and its dead letter goes with it."""
     source, target = new_database(TEMPLATE), new_database()
     with cluster.connect(source) as conn:
         state = busy_outbox(conn)
@@ -190,10 +192,15 @@ def test_a_batch_out_at_dump_time_with_a_nack_comes_back_in_key_order(cluster, n
             "GROUP BY e.aggregate_id HAVING count(*) >= 2 LIMIT 1", (list(state["out"]),)).fetchone()
         assert row, "the batch out holds two events of a key"
         second, = row
-        conn.execute("SELECT outbox.nack('c1', %s, %s, %s, 'down', '0')", (shard, epoch, second))
+        if how == "nack":
+            conn.execute("SELECT outbox.nack('c1', %s, %s, %s, 'down', '0')", (shard, epoch, second))
+        else:
+            conn.execute("SELECT outbox.reject('c1', %s, %s, %s, 'refused')", (shard, epoch, second))
     dump_and_restore(cluster, source, target, "custom")
     with cluster.connect(target) as conn:
         check_resumed(conn, state, emit_keys(conn, keys=45, per_key=2, prefix="k"))
+        assert [str(r[0]) for r in conn.execute("SELECT event_id FROM outbox.dead_letters WHERE consumer = 'c1'")] \
+            == [state["dead"]], "only the dead letter of a settled batch stays"
 
 
 # every release whose dumps hold the outbox's rows (0.6.0 on), restored table by table; the
