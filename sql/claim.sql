@@ -147,7 +147,8 @@ BEGIN
     parked := EXISTS (SELECT FROM outbox._parked p
                        WHERE p.consumer_id = _free_cursor.consumer_id AND p.shard = _free_cursor.shard);
     IF NOT parked AND cur.hi_snap IS NULL AND cur.restored_seq IS NULL THEN
-        floor_seq := outbox_internal._probe_floor(cur, pg_current_snapshot());  -- a value: the probe's index bound
+        -- a value: the probe's index bound
+        floor_seq := outbox_internal._probe_floor(cur, pg_current_snapshot());
         since := outbox_internal._since(floor_seq, newest);
         IF NOT outbox_internal._any_events(ARRAY[shard], ARRAY[floor_seq], since, until)
            AND NOT outbox_internal._behind_a_seal(cur, newest) THEN
@@ -159,8 +160,8 @@ $$;
 
 -- The shards where a claim may find something for the consumer: those not under a live lease
 -- with parked keys due, a window open, a restored cursor, a floor behind a seal, or an event
--- they may read (above _probe_floor) — what _free_cursor asks of each shard, asked of all of them read-only,
--- without locking a shard or taking an xid. In the order their cursors last moved, longest ago
+-- they may read (above _probe_floor) — what _free_cursor asks of each shard, asked of all of
+-- them read-only, without locking a shard or taking an xid. In the order their cursors last moved, longest ago
 -- first: a claim takes the shard that has waited longest, so that an event normally waits
 -- behind no more than one batch of each other shard (picked at random, a shard could be passed
 -- over claim after claim while more shards had work than a relay has slots). NULL: every shard
@@ -241,12 +242,13 @@ END
 $$;
 
 -- Nothing new since the last window (cur: the window just opened, found empty): record the
--- empty window as read when that raises the floor, so the next claim's probe starts above it;
--- when the claim began in a window that held nothing more (stale: else every poll would read
--- it to its end again, and _shards_with_work would never say none); when that raises where the
--- next probe starts (an event committed before the bound's snapshot but numbered after its
--- mark lies above lo.seq, read already: else it would list the shard at every poll while a
--- long transaction holds the floor down); or when the shard was read for a seal (once per
+-- empty window as read when that raises where the next probe starts (_probe_floor; a rise of
+-- the pending floor is one: the transactions that held it down have ended, so the probe
+-- counted them), so that the next claim's probe starts above what this one read (a
+-- transaction in flight at the last bound, ended since: else, while a long one holds the
+-- pending floor down, the shard would be listed at every poll); when the claim began in a
+-- window that held nothing more (stale: else every poll would read it to its end again, and
+-- _shards_with_work would never say none); or when the shard was read for a seal (once per
 -- seal).
 CREATE OR REPLACE FUNCTION outbox_internal._record_empty(cur outbox._cursor_log, stale boolean, newest outbox._seals)
 RETURNS void
@@ -256,8 +258,7 @@ DECLARE
     next outbox._cursor_log := outbox_internal._advance(cur, NULL, true);
     snap pg_snapshot := pg_current_snapshot();
 BEGIN
-    IF outbox_internal._pending_floor(next) > outbox_internal._pending_floor(cur) OR stale
-       OR outbox_internal._probe_floor(next, snap) > outbox_internal._probe_floor(cur, snap)
+    IF outbox_internal._probe_floor(next, snap) > outbox_internal._probe_floor(cur, snap) OR stale
        OR outbox_internal._behind_a_seal(cur, newest) THEN
         PERFORM outbox_internal._append(next);
     END IF;
