@@ -348,14 +348,37 @@ BEGIN
 END
 $$;
 
--- _claim for a shard with parked keys: the page's events of parked keys join their queues
--- instead of going out (the shard moves past pages that hold only those: one per claim when
--- their keys are all due at their first retry or catching up), and the batch also holds the
--- due heads (_due_heads: at most batch_size more). A page that holds only events of keys
--- catching up (their last head went through) whose queues two claims empty is left where it
--- is while the queues go out. Nothing (and no claim row) when neither is left; then the empty
--- window is recorded as _claim records it (_record_empty), so that polls while the shard's
--- keys wait out their backoff stay idle.
+-- Of the due heads a claim hands out (_due_heads), the keys that ride (a JSON object of them,
+-- for ?): each at a first attempt (catching up, or waiting uncounted, so its heads go out with
+-- the rest of the batch, not alone: src/sinks/mod.rs) with its whole queue among the heads, so
+-- that its events of the page may follow its queue in the same batch. A key probed after a
+-- failure does not ride: its probe is one event, and a page's events behind a head failing
+-- again would be copied into its queue all the same.
+CREATE OR REPLACE FUNCTION outbox_internal._riding(c outbox.consumers, heads outbox.claimed[]) RETURNS jsonb
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    RETURN (SELECT coalesce(jsonb_object_agg(h.aggregate_id, true), '{}')
+              FROM (SELECT k.aggregate_id, count(*) AS n FROM unnest(heads) k
+                     GROUP BY k.aggregate_id HAVING max(k.attempt) = 1) h
+             WHERE (SELECT count(*) FROM (SELECT FROM outbox._parked_events q
+                                           WHERE q.aggregate_id = h.aggregate_id AND q.consumer_id = c.id
+                                           LIMIT h.n + 1) q) = h.n);
+END
+$$;
+
+-- _claim for a shard with parked keys: the batch holds the due heads (_due_heads: at most
+-- batch_size more), first, then the page. A key whose whole queue is among the heads, at a
+-- first attempt (catching up, or waiting uncounted), rides: its events of the page go out
+-- behind its queue, in order, and when they all go through the key is unparked with nothing
+-- copied (#38: each copy was written, read and deleted again, most of a drain with 5% of its
+-- events failing). The page's events of other parked keys join their queues instead of going
+-- out (the shard moves past pages that hold only those: one per claim when their keys are all
+-- due at their first retry or catching up). A page that holds only events of keys catching up
+-- (their last head went through) whose queues two claims empty is left where it is while the
+-- queues go out. Nothing (and no claim row) when neither is left; then the empty window is
+-- recorded as _claim records it (_record_empty), so that polls while the shard's keys wait out
+-- their backoff stay idle.
 CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
                                                 batch_size int, lease interval, owner text,
                                                 seq_mark bigint, x xid8)
@@ -372,8 +395,9 @@ DECLARE
     fresh     boolean;
     page      outbox.events[];
     queued    outbox.events[];  -- the page's events of parked keys
-    mine      outbox.events[];  -- and the others
-    heads     outbox.claimed[];
+    mine      outbox.events[];  -- and the others (riding keys' among them)
+    heads     outbox.claimed[] := outbox_internal._due_heads(c, cur.shard, batch_size);
+    riding    jsonb := outbox_internal._riding(c, heads);
     exhausted boolean;
     all_due     boolean;  -- a page of parked keys' events only: are all their keys due,
     catching_up boolean;  -- and all catching up?
@@ -403,7 +427,7 @@ BEGIN
           FROM (SELECT e, CASE WHEN keys IS NULL
                                THEN EXISTS (SELECT FROM outbox._parked p
                                              WHERE p.consumer_id = c.id AND p.aggregate_id = e.aggregate_id)
-                               ELSE keys ? e.aggregate_id END AS parked
+                               ELSE keys ? e.aggregate_id END AND NOT riding ? e.aggregate_id AS parked
                   FROM unnest(page) e
                 OFFSET 0) k;  -- parked worked out once per event, not once per FILTER
         IF cardinality(mine) = 0 AND cardinality(page) > 0 THEN
@@ -454,7 +478,6 @@ BEGIN
             cur := outbox_internal._next_window(cur);
         END IF;
     END LOOP;
-    heads := outbox_internal._due_heads(c, cur.shard, batch_size);
     IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
         IF NOT held THEN  -- a page held is still to read: the window is not empty
             PERFORM outbox_internal._record_empty(cur, stale, outbox_internal._newest_seal());
@@ -465,14 +488,14 @@ BEGIN
                            CASE WHEN cardinality(page) > 0 THEN page[cardinality(page)].seq ELSE cur.after_seq END,
                            exhausted, ARRAY(SELECT h.id FROM unnest(heads) h));
     PERFORM outbox_internal._append(cur);
+    RETURN QUERY  -- heads first: a riding key's events of the page come after its queue
+    SELECT h.shard, cur.epoch, h.id, h.topic, h.aggregate_type, h.aggregate_id, h.event_type,
+           h.payload, h.headers, h.created_at, h.seq, h.attempt
+      FROM unnest(heads) AS h;
     RETURN QUERY
     SELECT cur.shard, cur.epoch, m.id, m.topic, m.aggregate_type, m.aggregate_id, m.event_type,
            m.payload, m.headers, m.created_at, m.seq, 1
       FROM unnest(mine) AS m ORDER BY m.seq;
-    RETURN QUERY
-    SELECT h.shard, cur.epoch, h.id, h.topic, h.aggregate_type, h.aggregate_id, h.event_type,
-           h.payload, h.headers, h.created_at, h.seq, h.attempt
-      FROM unnest(heads) AS h;
 END
 $$;
 

@@ -125,10 +125,12 @@ $$;
 -- _resolve), batch the batch's events of those keys. An event of a parked key's queue (a
 -- head) counts a failed attempt of its key; the key's heads before it went through, and leave
 -- the queue when the batch settles (heads are ordered by their place in the queue, f.seq being
--- that place: see _resolve). An event of the window parks its key: it and the key's
--- later events of the batch are queued, in order. Counting is _keys_failed's. Set-based: the
--- same few statements for one failure or hundreds. Returns how many events of the batch this
--- kept back.
+-- that place: see _resolve), and its events of the page that rode behind its queue
+-- (_claim_parked) join the queue. An event of the window parks its key: it and the key's
+-- later events of the batch are queued, in order; of a key that rode, it then counts as the
+-- head it has become (its heads before it went through). Counting is _keys_failed's.
+-- Set-based: the same few statements for one failure or hundreds. Returns how many events of
+-- the batch this kept back.
 -- A key failed in this batch before (nack, reject) kept its events back from some point on:
 -- reported again from there or after, nothing changes; from before it, the events in between
 -- would be acked unsent, so that is refused.
@@ -140,6 +142,7 @@ DECLARE
     fresh  outbox_internal._failure[];  -- the keys not failed in this batch before
     early  uuid;
     parked text[];
+    riders text[];  -- keys with heads in this batch whose events of the page failed
     kept   int;
 BEGIN
     -- where each key failed in this batch before, if it did: a head's key by its record, a
@@ -167,8 +170,11 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Report a key''s failures in batch order, or all at once with outbox.settle.';
     END IF;
+    -- the window's events kept back: from a failed one on, or all that rode behind a failed head
     kept := (SELECT count(*) FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
-              WHERE NOT f.head AND b.seq >= f.seq);
+              WHERE CASE WHEN f.head THEN NOT EXISTS (SELECT FROM outbox._parked_events q
+                                                       WHERE q.consumer_id = c.id AND q.id = b.id)
+                         ELSE b.seq >= f.seq END);
     IF EXISTS (SELECT FROM unnest(fresh) f WHERE f.head) THEN
         -- the heads from each failed one on, each head looked up by its id (see _deliver_rest)
         kept := kept + (SELECT count(*) FROM unnest(cur.heads) AS out(id)
@@ -187,9 +193,25 @@ BEGIN
     IF parked IS NOT NULL THEN
         PERFORM outbox_internal._replan_when_grown('outbox._parked');
     END IF;
+    IF cardinality(cur.heads) > 0 AND EXISTS (SELECT FROM unnest(fresh) f WHERE NOT f.head) THEN
+        riders := ARRAY(SELECT q.aggregate_id FROM unnest(cur.heads) AS out(id)
+                          JOIN outbox._parked_events q ON q.consumer_id = c.id AND q.id = out.id
+                         WHERE q.aggregate_id IN (SELECT f.aggregate_id FROM unnest(fresh) f WHERE NOT f.head));
+    END IF;
+    -- (a head's key: its events of the page that were copied when the claim read them, as a key
+    -- that did not ride has, are there already: ON CONFLICT)
     PERFORM outbox_internal._queue_parked(c.id, ARRAY(
         SELECT b FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
-         WHERE NOT f.head AND b.seq >= f.seq ORDER BY b.seq));
+         WHERE f.head OR b.seq >= f.seq ORDER BY b.seq));
+    IF riders IS NOT NULL THEN
+        fresh := ARRAY(SELECT CASE WHEN f.head OR f.aggregate_id <> ALL (riders) THEN f
+                              ELSE ROW(f.event_id, f.aggregate_id,
+                                       (SELECT q.pos FROM outbox._parked_events q
+                                         WHERE q.consumer_id = c.id AND q.id = f.event_id),
+                                       true, f.error, f.retry_after, f.final, f.attempted)::outbox_internal._failure
+                              END
+                         FROM unnest(fresh) f);
+    END IF;
     PERFORM outbox_internal._keys_failed(c, ARRAY(SELECT f FROM unnest(fresh) f
                                                    WHERE f.head OR f.aggregate_id = ANY (parked)),
                                          cur.epoch);
@@ -237,7 +259,7 @@ BEGIN
                                                                  WHERE b.id IN (SELECT v.event_id FROM unnest(failures) v)),
                                                     u) AS r
                      WHERE r.aggregate_id IS NOT NULL
-                     ORDER BY r.aggregate_id, r.seq);
+                     ORDER BY r.aggregate_id, r.head DESC, r.seq);  -- a key's heads before its page
     batch := ARRAY(SELECT b FROM unnest(batch) b
                     WHERE b.aggregate_id IN (SELECT k.aggregate_id FROM unnest(firsts) k)
                     ORDER BY b.seq);
@@ -305,7 +327,7 @@ DECLARE
 BEGIN
     PERFORM outbox_internal._check_failure(event_id, retry_after);
     cur := outbox_internal._leased(c.id, shard, epoch);
-    batch := CASE WHEN event_id = ANY (cur.heads) THEN '{}' ELSE outbox_internal._batch(cur) END;
+    batch := outbox_internal._batch(cur);  -- a head's too: its key's events of the page may ride behind it
     f := outbox_internal._resolve(c, cur, batch, f);
     IF f.aggregate_id IS NOT NULL THEN
         PERFORM outbox_internal._fail_keys(c, cur, batch, ARRAY[f]);
