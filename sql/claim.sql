@@ -3,7 +3,8 @@
 -- A claim locks one free shard's row (FOR UPDATE SKIP LOCKED), opens or continues its commit
 -- window (sql/cursors.sql), and writes a claim row: owner, lease expiry, epoch (+1 on every
 -- claim) and the batch's end. A shard with parked keys (sql/parking.sql) hands out its due
--- heads with the page, and its parked keys' events join their queues instead of going out.
+-- heads before the page, and its parked keys' events join their queues instead of going out,
+-- but those of a key whose whole queue is among the heads: they follow it (the key rides).
 -- release and release_owner give batches back unsettled.
 --
 -- Keeps: at most one batch of a shard out under a live lease; whatever reports on a batch

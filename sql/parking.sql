@@ -6,8 +6,10 @@
 -- jitter; after max_attempts it goes to outbox.dead_letters and the key moves on. Once the head
 -- goes through, the key catches up: its queue goes out in order, batches of it at a time (a
 -- claim's share, sql/claim.sql: _due_heads), and when the queue is empty the key is unparked
--- and flows with its shard again; meanwhile a page of the shard that holds only events of keys
--- catching up waits in the log, not copied into their queues (_claim_parked). A failure the
+-- and flows with its shard again; the batch that hands out the rest of its queue hands out its
+-- new events of the page behind it, not copied (the key rides: _riding); meanwhile a page of
+-- the shard that holds only events of keys catching up waits in the log, not copied into
+-- their queues (_claim_parked). A failure the
 -- sink never judged (settle's "attempted": false) parks the key the same way without counting
 -- an attempt.
 --
@@ -211,7 +213,10 @@ $$;
 -- batch had never been claimed: kept, its earlier events would be queued behind the failed one.
 -- A key parked before (its head handed out and nacked) keeps its queue and the attempt counted,
 -- less the copies of this page's events: the next claim may read a smaller page, and a copy
--- beyond it would go out from the queue and again from the log. And an event of the page
+-- beyond it would go out from the queue and again from the log. A key that rode and failed at
+-- an event of the page (counted at that event's copy as its head: _fail_keys) is due again at
+-- once with nothing counted: the event comes again with the page, and its heads did not fail
+-- (it rode at a first attempt, so none was counted before). And an event of the page
 -- dead-lettered at once (reject, or a nack of its last attempt) comes again with the page, so
 -- its dead letter goes: kept, the event was both delivered and dead, and a replay sent it again
 -- after its key's later events. A dead head stays dead: it left its queue, and is not read again
@@ -233,6 +238,12 @@ BEGIN
     END IF;
     page := outbox_internal._batch(cur);
     ids := ARRAY(SELECT e.id FROM unnest(page) e);
+    UPDATE outbox._parked p
+       SET attempts = 0, next_attempt_at = now(), nacked_epoch = NULL, nacked_pos = NULL
+     WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch
+       AND EXISTS (SELECT FROM outbox._parked_events q
+                    WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
+                      AND q.pos = p.nacked_pos AND q.id = ANY (ids));
     WITH unparked AS (
         DELETE FROM outbox._parked p
          WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch

@@ -663,6 +663,20 @@ def test_a_failure_of_a_riding_key_keeps_its_order_and_counts(db, relay, failed)
     assert [e.payload["i"] for e in drain_after_backoff(db, relay)] == left and parked(db) == {}
 
 
+def test_a_riding_key_given_back_after_a_failure_of_its_page_counts_nothing(db, relay):
+    """A riding key's new event is nacked (counted at that event, which heads the queue now),
+    then the batch is given back: the page comes again, and the heads before the event did not
+    fail, so nothing stays counted and the key is due at once; its events come once each, in
+    order."""
+    a, other, batch = catching_up_with_new_events(db, relay)
+    relay.nack([e for e in batch if e.aggregate_id == a][2], "HTTP 503", retry_after="1 hour")
+    relay.release(batch[0].shard, batch[0].epoch)
+    assert parked(db) == {a: [1, 2]}
+    assert db.execute("SELECT attempts, next_attempt_at <= now() FROM outbox._parked").fetchone() == (0, True)
+    assert [(e.aggregate_id, e.payload["i"]) for e in relay.drain()] == [(a, 1), (a, 2), (a, 3), (other, 0), (a, 4)]
+    assert parked(db) == {}
+
+
 def test_a_batch_with_hundreds_of_failures_records_them_together(db, relay):
     """The failures of a batch are recorded set-based: one call of each recording function for
     300 failed keys (several statements per failed key made a drain with 5% of its events
