@@ -279,9 +279,14 @@ BEGIN
         PERFORM outbox_internal._replan_when_grown('outbox._parked');
     END IF;
     IF cardinality(cur.heads) > 0 AND EXISTS (SELECT FROM unnest(fresh) f WHERE NOT f.head) THEN
+        -- (not a key whose queue a replay lengthened while the batch was out: the replayed
+        -- event heads it once the heads are through, and did not fail)
         riders := ARRAY(SELECT q.aggregate_id FROM unnest(cur.heads) AS out(id)
                           JOIN outbox._parked_events q ON q.consumer_id = c.id AND q.id = out.id
-                         WHERE q.aggregate_id IN (SELECT f.aggregate_id FROM unnest(fresh) f WHERE NOT f.head));
+                         WHERE q.aggregate_id IN (SELECT f.aggregate_id FROM unnest(fresh) f WHERE NOT f.head)
+                           AND NOT EXISTS (SELECT FROM outbox._parked_events r
+                                            WHERE r.aggregate_id = q.aggregate_id AND r.consumer_id = c.id
+                                              AND r.id <> ALL (cur.heads)));
     END IF;
     -- (a head's key: its events of the page that were copied when the claim read them, as a key
     -- that did not ride has, are there already: ON CONFLICT)

@@ -677,6 +677,27 @@ def test_a_riding_key_given_back_after_a_failure_of_its_page_counts_nothing(db, 
     assert parked(db) == {}
 
 
+def test_a_failure_behind_a_replay_into_a_riding_keys_queue_is_not_charged_to_the_replayed_event(db, relay):
+    """A key's dead letter is replayed while the key rides in a batch (queued behind its heads),
+    then one of its new events fails: once the heads are through, the replayed event heads the
+    queue, and it did not fail, so no attempt is counted against it; the failed event waits
+    behind it, and all come once each, in the queue's order."""
+    a, other = keys_in_shard(db, 9, 2)
+    batch, by_key = emit_batch(db, relay, {a: 3})
+    relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(by_key[a][0], "HTTP 422", final=True)])
+    assert parked(db) == {a: [1, 2]}
+    emit_many(db, a, 3, 1)
+    db.execute("SELECT outbox.emit('order', %s, 'e', jsonb_build_object('i', 0))", (other,))
+    emit_many(db, a, 4, 1)
+    batch = relay.claim()
+    assert [(e.aggregate_id, e.payload["i"]) for e in batch] == [(a, 1), (a, 2), (a, 3), (other, 0), (a, 4)]
+    assert db.execute("SELECT outbox.replay('sink')").fetchone()[0] == 1
+    relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(batch[2], "HTTP 503", retry_after="1 hour")])
+    assert parked(db) == {a: [0, 3, 4]}
+    assert db.execute("SELECT attempts, next_attempt_at <= now() FROM outbox._parked").fetchone() == (0, True)
+    assert [e.payload["i"] for e in drain_after_backoff(db, relay)] == [0, 3, 4] and parked(db) == {}
+
+
 def test_a_batch_with_hundreds_of_failures_records_them_together(db, relay):
     """The failures of a batch are recorded set-based: one call of each recording function for
     300 failed keys (several statements per failed key made a drain with 5% of its events
