@@ -103,7 +103,10 @@ BEGIN
                    coalesce(u.event_id = ANY (cur.heads), false) AS head
               FROM unnest(failures) WITH ORDINALITY
                    AS u(event_id, aggregate_id, seq, head, error, retry_after, final, attempted, n)) f
-      LEFT JOIN outbox._parked_events q ON f.head AND q.consumer_id = c.id AND q.id = f.event_id
+      -- each head looked up by its id (OFFSET 0 keeps it a lookup: a join planned while the
+      -- queues were tiny could read all of them)
+      LEFT JOIN LATERAL (SELECT h.id, h.aggregate_id, h.pos FROM outbox._parked_events h
+                          WHERE f.head AND h.consumer_id = c.id AND h.id = f.event_id OFFSET 0) q ON true
       LEFT JOIN unnest(batch) b ON NOT f.head AND b.id = f.event_id;
     IF missing IS NOT NULL THEN
         RAISE EXCEPTION 'event % is not in the batch of shard % with epoch %', missing, cur.shard, cur.epoch
@@ -205,7 +208,8 @@ BEGIN
         -- (not a key whose queue a replay lengthened while the batch was out: the replayed
         -- event heads it once the heads are through, and did not fail)
         riders := ARRAY(SELECT q.aggregate_id FROM unnest(cur.heads) AS out(id)
-                          JOIN outbox._parked_events q ON q.consumer_id = c.id AND q.id = out.id
+                         CROSS JOIN LATERAL (SELECT h.aggregate_id FROM outbox._parked_events h  -- a lookup
+                                              WHERE h.consumer_id = c.id AND h.id = out.id OFFSET 0) q
                          WHERE q.aggregate_id IN (SELECT f.aggregate_id FROM unnest(fresh) f WHERE NOT f.head)
                            AND NOT EXISTS (SELECT FROM outbox._parked_events r
                                             WHERE r.aggregate_id = q.aggregate_id AND r.consumer_id = c.id
