@@ -290,7 +290,8 @@ BEGIN
                          WHERE q.aggregate_id IN (SELECT f.aggregate_id FROM unnest(fresh) f WHERE NOT f.head)
                            AND NOT EXISTS (SELECT FROM outbox._parked_events r
                                             WHERE r.aggregate_id = q.aggregate_id AND r.consumer_id = c.id
-                                              AND r.id <> ALL (cur.heads)));
+                                              AND r.id <> ALL (cur.heads)
+                                           OFFSET 0));  -- a lookup of the key's queue, not an anti-join
     END IF;
     -- (a head's key: its events of the page that were copied when the claim read them, as a key
     -- that did not ride has, are there already: ON CONFLICT)
@@ -409,7 +410,8 @@ BEGIN
      WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch
        AND EXISTS (SELECT FROM outbox._parked_events q
                     WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
-                      AND q.pos = p.nacked_pos AND q.id = ANY (ids));
+                      AND q.pos = p.nacked_pos AND q.id = ANY (ids)
+                   OFFSET 0);  -- a lookup by the key's queue position, not a semi-join
     WITH unparked AS (
         DELETE FROM outbox._parked p
          WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch

@@ -243,7 +243,8 @@ BEGIN
      WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch
        AND EXISTS (SELECT FROM outbox._parked_events q
                     WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
-                      AND q.pos = p.nacked_pos AND q.id = ANY (ids));
+                      AND q.pos = p.nacked_pos AND q.id = ANY (ids)
+                   OFFSET 0);  -- a lookup by the key's queue position, not a semi-join
     WITH unparked AS (
         DELETE FROM outbox._parked p
          WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch

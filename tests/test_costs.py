@@ -90,6 +90,53 @@ def test_a_sessions_settles_of_parked_keys_stay_lookups_as_the_queues_grow(db):
     assert read < 100, f"one key failing once read {read} of the queues' {size} pages"
 
 
+def test_a_riding_keys_failures_and_give_backs_stay_lookups_as_the_queues_grow(db):
+    """The same for a key that rides (its queue, then its new events of the page): a failure of
+    one of its new events, given back, then reported at settle, looks up its key's queue, not
+    all of the consumer's queues, once they have grown under plans made while they were tiny."""
+    db.execute("SELECT outbox.create_consumer('sink')")
+    relay = Relay(db, "sink", batch_size=10)
+    key = keys_in_shard(db, 3, 1)[0]
+
+    def ride_fail_give_back_and_catch_up():
+        """key parked with 3 events queued, its head through; it rides with two new events, the
+        first of which fails, given back (release), then failed at settle; then it catches up"""
+        emit(db, key, 3)
+        batch = relay.claim()
+        relay.settle(batch[0].shard, batch[0].epoch, [Relay.failure(batch[0], "down", retry_after="0")])
+        relay.step(lambda e: True, retry_after="0")
+        emit(db, key, 2)
+        for give_back in (True, False):
+            batch = relay.claim()
+            assert len(batch) == 4, "the queue's two and the two new ones"
+            if give_back:
+                relay.nack(batch[2], "down", retry_after="0")
+                relay.release(batch[0].shard, batch[0].epoch)
+            else:
+                relay.settle(batch[0].shard, batch[0].epoch, [Relay.failure(batch[2], "down", retry_after="0")])
+        for _ in range(3):
+            relay.step(lambda e: True, retry_after="0")
+        assert db.execute("SELECT count(*) FROM outbox._parked WHERE aggregate_id = %s", (key,)).fetchone()[0] == 0
+
+    no_autovacuum_of_parking(db)
+    db.execute("VACUUM ANALYZE outbox._parked")
+    db.execute("VACUUM ANALYZE outbox._parked_events")
+    for _ in range(6):
+        ride_fail_give_back_and_catch_up()
+    db.execute("""INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+                  SELECT c.id, 'far' || g, outbox.shard_of('far' || g), now() + interval '1 day'
+                    FROM outbox.consumers c, generate_series(1, 1000) g""")
+    db.execute("""INSERT INTO outbox._parked_events (consumer_id, aggregate_id, id, aggregate_type, event_type,
+                                                     payload, created_at, seq)
+                  SELECT c.id, 'far' || (g % 1000 + 1), gen_random_uuid(), 'order', 'e', '{}', now(), g
+                    FROM outbox.consumers c, generate_series(1, 30000) g""")
+    size = db.execute("SELECT pg_relation_size('outbox._parked_events') / 8192").fetchone()[0]
+    before = pages_read(db, "outbox._parked_events")
+    ride_fail_give_back_and_catch_up()
+    read = pages_read(db, "outbox._parked_events") - before
+    assert read < 100, f"one riding key failing read {read} of the queues' {size} pages"
+
+
 def test_plans_made_while_nothing_was_parked_are_made_again_as_keys_park(db):
     """A session's first failure plans settle while the parking tables are empty (one row, to
     the planner, which then takes any index for any lookup); once thousands of keys have
