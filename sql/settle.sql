@@ -79,41 +79,30 @@ BEGIN
 END
 $$;
 
--- Find failed events in their batch (batch: the window's events the claim handed out), each
--- with its place in its key's order (seq; a head's, pos: a replayed event is queued behind
--- events with higher seqs), in the order listed. A head settled already (a reject of this
--- batch dead-lettered it) is left out. Set-based: one statement for one failure or hundreds
--- (a call per failure was a twentieth of a drain with 5% of its events failing).
+-- Find a failed event in its batch (batch: the window's events the claim handed out), with its
+-- place in its key's order (seq; a head's, pos). NULL for a head that is settled already (a
+-- reject of this batch dead-lettered it).
 CREATE OR REPLACE FUNCTION outbox_internal._resolve(c outbox.consumers, cur outbox._cursor_log,
-                                           batch outbox.events[], failures outbox_internal._failure[])
-RETURNS outbox_internal._failure[]
+                                           batch outbox.events[], f outbox_internal._failure)
+RETURNS outbox_internal._failure
     LANGUAGE plpgsql STABLE
 AS $$
-DECLARE
-    found   outbox_internal._failure[];
-    missing uuid;  -- the first failure listed that is neither a head nor in the batch
 BEGIN
-    SELECT array_agg(ROW(f.event_id, coalesce(q.aggregate_id, b.aggregate_id),
-                         CASE WHEN f.head THEN q.pos ELSE b.seq END, f.head, f.error, f.retry_after,
-                         f.final, f.attempted)::outbox_internal._failure ORDER BY f.n)
-               FILTER (WHERE q.id IS NOT NULL OR b.id IS NOT NULL),
-           (array_agg(f.event_id ORDER BY f.n) FILTER (WHERE NOT f.head AND b.id IS NULL))[1]
-      INTO found, missing
-      FROM (SELECT u.event_id, u.error, u.retry_after, u.final, u.attempted, u.n,
-                   coalesce(u.event_id = ANY (cur.heads), false) AS head
-              FROM unnest(failures) WITH ORDINALITY
-                   AS u(event_id, aggregate_id, seq, head, error, retry_after, final, attempted, n)) f
-      -- each head looked up by its id (OFFSET 0 keeps it a lookup: a join planned while the
-      -- queues were tiny could read all of them)
-      LEFT JOIN LATERAL (SELECT h.id, h.aggregate_id, h.pos FROM outbox._parked_events h
-                          WHERE f.head AND h.consumer_id = c.id AND h.id = f.event_id OFFSET 0) q ON true
-      LEFT JOIN unnest(batch) b ON NOT f.head AND b.id = f.event_id;
-    IF missing IS NOT NULL THEN
-        RAISE EXCEPTION 'event % is not in the batch of shard % with epoch %', missing, cur.shard, cur.epoch
+    f.head := coalesce(f.event_id = ANY (cur.heads), false);
+    IF f.head THEN
+        -- a head's place in its key's order is its place in the queue (pos): a replayed event
+        -- is queued behind events with higher seqs
+        SELECT q.aggregate_id, q.pos INTO f.aggregate_id, f.seq FROM outbox._parked_events q
+         WHERE q.consumer_id = c.id AND q.id = f.event_id;
+        RETURN CASE WHEN FOUND THEN f END;
+    END IF;
+    SELECT b.aggregate_id, b.seq INTO f.aggregate_id, f.seq FROM unnest(batch) b WHERE b.id = f.event_id;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'event % is not in the batch of shard % with epoch %', f.event_id, cur.shard, cur.epoch
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Report only events that this claim returned.';
     END IF;
-    RETURN coalesce(found, '{}');
+    RETURN f;
 END
 $$;
 
@@ -206,22 +195,24 @@ BEGIN
     END IF;
     IF cardinality(cur.heads) > 0 AND EXISTS (SELECT FROM unnest(fresh) f WHERE NOT f.head) THEN
         -- (not a key whose queue a replay lengthened while the batch was out: the replayed
-        -- event heads it once the heads are through, and did not fail)
-        riders := ARRAY(SELECT q.aggregate_id FROM unnest(cur.heads) AS out(id)
-                         CROSS JOIN LATERAL (SELECT h.aggregate_id FROM outbox._parked_events h  -- a lookup
-                                              WHERE h.consumer_id = c.id AND h.id = out.id OFFSET 0) q
-                         WHERE q.aggregate_id IN (SELECT f.aggregate_id FROM unnest(fresh) f WHERE NOT f.head)
-                           AND NOT EXISTS (SELECT FROM outbox._parked_events r
-                                            WHERE r.aggregate_id = q.aggregate_id AND r.consumer_id = c.id
-                                              AND r.id <> ALL (cur.heads)
-                                           OFFSET 0));  -- a lookup of the key's queue, not an anti-join
+        -- event heads it once the heads are through, and did not fail). Each failed key's
+        -- queue is looked up on its own (OFFSET 0: a semi- or anti-join planned while the
+        -- queues were tiny could read all of them); most are empty, the key not parked.
+        riders := ARRAY(SELECT f.aggregate_id FROM unnest(fresh) f
+                         WHERE NOT f.head
+                           AND EXISTS (SELECT FROM outbox._parked_events q
+                                        WHERE q.aggregate_id = f.aggregate_id AND q.consumer_id = c.id
+                                          AND q.id = ANY (cur.heads) OFFSET 0)
+                           AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                                            WHERE q.aggregate_id = f.aggregate_id AND q.consumer_id = c.id
+                                              AND q.id <> ALL (cur.heads) OFFSET 0));
     END IF;
     -- (a head's key: its events of the page that were copied when the claim read them, as a key
     -- that did not ride has, are there already: ON CONFLICT)
     PERFORM outbox_internal._queue_parked(c.id, ARRAY(
         SELECT b FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
          WHERE f.head OR b.seq >= f.seq ORDER BY b.seq));
-    IF riders IS NOT NULL THEN
+    IF cardinality(riders) > 0 THEN
         fresh := ARRAY(SELECT CASE WHEN f.head OR f.aggregate_id <> ALL (riders) THEN f
                               ELSE ROW(f.event_id, f.aggregate_id,
                                        (SELECT q.pos FROM outbox._parked_events q
@@ -272,9 +263,11 @@ BEGIN
     -- the events of failed keys, both taken out of the batch in one pass: not a scan of the
     -- whole batch per failure and per key.
     firsts := ARRAY(SELECT DISTINCT ON (r.aggregate_id) r
-                      FROM unnest(outbox_internal._resolve(c, cur, ARRAY(SELECT b FROM unnest(batch) b
-                                                                         WHERE b.id IN (SELECT v.event_id FROM unnest(failures) v)),
-                                                            failures)) AS r
+                      FROM unnest(failures) AS u,
+                           outbox_internal._resolve(c, cur, ARRAY(SELECT b FROM unnest(batch) b
+                                                                 WHERE b.id IN (SELECT v.event_id FROM unnest(failures) v)),
+                                                    u) AS r
+                     WHERE r.aggregate_id IS NOT NULL
                      ORDER BY r.aggregate_id, r.head DESC, r.seq);  -- a key's heads before its page
     batch := ARRAY(SELECT b FROM unnest(batch) b
                     WHERE b.aggregate_id IN (SELECT k.aggregate_id FROM unnest(firsts) k)
@@ -336,18 +329,17 @@ CREATE OR REPLACE FUNCTION outbox_internal._fail(consumer text, shard int, epoch
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    c        outbox.consumers := outbox_internal._consumer(consumer);
-    cur      outbox._cursor_log;
-    batch    outbox.events[];
-    f        outbox_internal._failure := ROW(event_id, NULL, NULL, NULL, error, retry_after, final, true);
-    resolved outbox_internal._failure[];  -- f, found in the batch (none: a head settled already)
+    c     outbox.consumers := outbox_internal._consumer(consumer);
+    cur   outbox._cursor_log;
+    batch outbox.events[];
+    f     outbox_internal._failure := ROW(event_id, NULL, NULL, NULL, error, retry_after, final, true);
 BEGIN
     PERFORM outbox_internal._check_failure(event_id, retry_after);
     cur := outbox_internal._leased(c.id, shard, epoch);
     batch := outbox_internal._batch(cur);  -- a head's too: its key's events of the page may ride behind it
-    resolved := outbox_internal._resolve(c, cur, batch, ARRAY[f]);
-    IF cardinality(resolved) > 0 THEN
-        PERFORM outbox_internal._fail_keys(c, cur, batch, resolved);
+    f := outbox_internal._resolve(c, cur, batch, f);
+    IF f.aggregate_id IS NOT NULL THEN
+        PERFORM outbox_internal._fail_keys(c, cur, batch, ARRAY[f]);
     END IF;
 END
 $$;
