@@ -51,6 +51,30 @@ def test_a_sessions_claims_stay_index_walks_as_cursor_history_grows(db):
     assert read < 100, f"a claim and a settle read {read} of the cursor log's {size} pages (a few a shard: not its history)"
 
 
+def queue_pages_read_once_grown(db, cycle) -> tuple[int, int]:
+    """Runs cycle six times while the parking tables are tiny (the session plans its statements
+    then, just after autovacuum would have analyzed them as tiny), then parks other keys of the
+    consumer with long queues, for a day, and runs cycle once more. Returns the queues' heap
+    pages that last cycle read, and how many pages the queues have."""
+    no_autovacuum_of_parking(db)
+    db.execute("VACUUM ANALYZE outbox._parked")
+    db.execute("VACUUM ANALYZE outbox._parked_events")
+    for _ in range(6):
+        cycle()
+    db.execute("""INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+                  SELECT c.id, 'far' || g, outbox.shard_of('far' || g), now() + interval '1 day'
+                    FROM outbox.consumers c, generate_series(1, 1000) g""")
+    db.execute("""INSERT INTO outbox._parked_events (consumer_id, aggregate_id, id, aggregate_type, event_type,
+                                                     payload, created_at, seq)
+                  SELECT c.id, 'far' || (g % 1000 + 1), gen_random_uuid(), 'order', 'e', '{}', now(), g
+                    FROM outbox.consumers c, generate_series(1, 30000) g""")
+    size = db.execute("SELECT pg_relation_size('outbox._parked_events') / 8192").fetchone()[0]
+    assert size > 200
+    before = pages_read(db, "outbox._parked_events")
+    cycle()
+    return pages_read(db, "outbox._parked_events") - before, size
+
+
 def test_a_sessions_settles_of_parked_keys_stay_lookups_as_the_queues_grow(db):
     """Plans made while the parking tables were tiny (a few hundred rows look like one row to
     the planner) keep looking each parked key and queued event up, not reading all of a
@@ -69,24 +93,7 @@ def test_a_sessions_settles_of_parked_keys_stay_lookups_as_the_queues_grow(db):
             relay.step(deliver, retry_after="0")
         assert db.execute("SELECT count(*) FROM outbox._parked WHERE aggregate_id = %s", (key,)).fetchone()[0] == 0
 
-    no_autovacuum_of_parking(db)
-    db.execute("VACUUM ANALYZE outbox._parked")
-    db.execute("VACUUM ANALYZE outbox._parked_events")   # as autovacuum does: "they are tiny"
-    for _ in range(6):   # the session plans its statements while they are
-        fail_once_then_catch_up()
-    # then other keys of the consumer park, with long queues, for a day
-    db.execute("""INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
-                  SELECT c.id, 'far' || g, outbox.shard_of('far' || g), now() + interval '1 day'
-                    FROM outbox.consumers c, generate_series(1, 1000) g""")
-    db.execute("""INSERT INTO outbox._parked_events (consumer_id, aggregate_id, id, aggregate_type, event_type,
-                                                     payload, created_at, seq)
-                  SELECT c.id, 'far' || (g % 1000 + 1), gen_random_uuid(), 'order', 'e', '{}', now(), g
-                    FROM outbox.consumers c, generate_series(1, 30000) g""")
-    size = db.execute("SELECT pg_relation_size('outbox._parked_events') / 8192").fetchone()[0]
-    assert size > 200
-    before = pages_read(db, "outbox._parked_events")
-    fail_once_then_catch_up()
-    read = pages_read(db, "outbox._parked_events") - before
+    read, size = queue_pages_read_once_grown(db, fail_once_then_catch_up)
     assert read < 100, f"one key failing once read {read} of the queues' {size} pages"
 
 
@@ -118,22 +125,7 @@ def test_a_riding_keys_failures_and_give_backs_stay_lookups_as_the_queues_grow(d
             relay.step(lambda e: True, retry_after="0")
         assert db.execute("SELECT count(*) FROM outbox._parked WHERE aggregate_id = %s", (key,)).fetchone()[0] == 0
 
-    no_autovacuum_of_parking(db)
-    db.execute("VACUUM ANALYZE outbox._parked")
-    db.execute("VACUUM ANALYZE outbox._parked_events")
-    for _ in range(6):
-        ride_fail_give_back_and_catch_up()
-    db.execute("""INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
-                  SELECT c.id, 'far' || g, outbox.shard_of('far' || g), now() + interval '1 day'
-                    FROM outbox.consumers c, generate_series(1, 1000) g""")
-    db.execute("""INSERT INTO outbox._parked_events (consumer_id, aggregate_id, id, aggregate_type, event_type,
-                                                     payload, created_at, seq)
-                  SELECT c.id, 'far' || (g % 1000 + 1), gen_random_uuid(), 'order', 'e', '{}', now(), g
-                    FROM outbox.consumers c, generate_series(1, 30000) g""")
-    size = db.execute("SELECT pg_relation_size('outbox._parked_events') / 8192").fetchone()[0]
-    before = pages_read(db, "outbox._parked_events")
-    ride_fail_give_back_and_catch_up()
-    read = pages_read(db, "outbox._parked_events") - before
+    read, size = queue_pages_read_once_grown(db, ride_fail_give_back_and_catch_up)
     assert read < 100, f"one riding key failing read {read} of the queues' {size} pages"
 
 
