@@ -18,7 +18,7 @@ import pytest
 
 from conftest import MAJORS
 from support.events import emit_keys
-from support.peers import FaultProxy, Receiver, check_delivery, create_sink, wait_for
+from support.peers import FaultProxy, Receiver, Request, check_delivery, create_sink, wait_for
 from support.pgcluster import Cluster, as_postgres
 
 DB = "faults"
@@ -157,6 +157,110 @@ def test_immediate_shutdown_mid_stream(faulty):
                                 (sink,)).fetchone()[0] == 0
     finally:
         stop.set()
+        receiver.close()
+
+
+class Gate:
+    """A receiver's answers, held back until the test lets each through."""
+
+    def __init__(self):
+        self.arrived: list[tuple[Request, threading.Event]] = []
+        self.cond = threading.Condition()
+        self.holding = True
+
+    def answer(self, request: Request):
+        gate = threading.Event()
+        with self.cond:
+            if not self.holding:
+                gate.set()
+            self.arrived.append((request, gate))
+            self.cond.notify_all()
+        gate.wait(30)
+        return 200, {}, b""
+
+    def held(self, path: str, n: int) -> list[tuple[Request, threading.Event]]:
+        """The first n requests to path, with their gates, once they have come."""
+        def come():
+            return [(r, g) for r, g in self.arrived if r.path == path][:n]
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(come()) == n, 30), f"{n} requests to {path}"
+            return come()
+
+    def let_all_through(self):
+        with self.cond:
+            self.holding = False
+            for _, gate in self.arrived:
+                gate.set()
+
+
+def keys_of_distinct_shards(conn, n: int, prefix: str) -> list[str]:
+    keys, shards = [], set()
+    for key in (f"{prefix}{i}" for i in range(1000)):
+        shard = conn.execute("SELECT outbox.shard_of(%s)", (key,)).fetchone()[0]
+        if shard not in shards:
+            keys.append(key)
+            shards.add(shard)
+        if len(keys) == n:
+            return keys
+    raise AssertionError("not enough shards")
+
+
+def lock_shard(faulty, sink: str, key: str) -> psycopg.Connection:
+    """A transaction holding the row of key's shard of sink, which settling a batch of it locks."""
+    conn = faulty.connect(DB, autocommit=False)
+    conn.execute("SELECT FROM outbox._shards s JOIN outbox.consumers c ON c.id = s.consumer_id "
+                 "WHERE c.name = %s AND s.shard = outbox.shard_of(%s) FOR UPDATE", (sink, key))
+    return conn
+
+
+def test_a_delivered_batch_holds_its_slot_until_its_settle_commits(faulty):
+    """The duplicate bound, concurrency x batch_size, at its edge: a sink with 2 slots gets both
+    its batches back at once. The first's settle claims on while the second's waits (here on
+    a lock), and the server stops (immediate) before the second's commits. A delivered batch
+    keeps its slot until its settle commits, so the first's settle takes one batch, not two:
+    2 batches are sent again, not 3."""
+    gate = Gate()
+    receiver = Receiver(gate.answer)
+    locks: list[psycopg.Connection] = []
+    batch, concurrency = 5, 2
+    try:
+        with connect(faulty) as conn:
+            def emit(kind, key):
+                return conn.execute("SELECT outbox.emit(%s, %s, 'e', '{}')::text", (kind, key)).fetchone()[0]
+            keys = keys_of_distinct_shards(conn, 3, "slot")
+            emitted = {k: [emit("slot", k) for _ in range(2 * batch)] for k in keys}
+            emit("blocker", "b")
+            sink = webhook(conn, receiver.url + "/slots", batch_size=batch, concurrency=concurrency,
+                           aggregate_types=["slot"], from_beginning=True)
+            blocker = webhook(conn, receiver.url + "/blocker", aggregate_types=["blocker"],
+                              from_beginning=True)
+        (_, first), (second, second_gate) = gate.held("/slots", 2)
+        [(_, blocker_gate)] = gate.held("/blocker", 1)
+        # the worker waits in the blocker's settle while both batches of the sink come back
+        locks.append(lock_shard(faulty, blocker, "b"))
+        blocker_gate.set()
+        time.sleep(0.3)
+        first.set()
+        time.sleep(0.1)
+        locks.append(lock_shard(faulty, sink, second.events()[0]["aggregate_id"]))
+        second_gate.set()
+        time.sleep(0.3)
+        gate.let_all_through()
+        locks[0].rollback()        # the blocker settles; then the first batch, claiming on
+        time.sleep(1.5)            # what that claimed goes out; the second still waits
+        faulty.stop("immediate")
+        faulty.start()
+        with connect(faulty):
+            def slots():
+                return [e for e in receiver.accepted_events() if e["aggregate_type"] == "slot"]
+            want = {i for ids in emitted.values() for i in ids}
+            wait_for(lambda: {e["id"] for e in slots()} >= want, timeout=60)
+            time.sleep(0.5)
+            check_delivery(emitted, slots(), max_duplicates=concurrency * batch)
+    finally:
+        gate.let_all_through()
+        for lock in locks:
+            lock.close()
         receiver.close()
 
 

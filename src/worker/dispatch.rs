@@ -319,13 +319,28 @@ impl Delivery {
         }
     }
 
+    /// Settles the batches back from their threads. A sink's batches back together are settled
+    /// alone but for the last, which claims for every slot then free: as many claims as
+    /// before, and no batch claimed into the slot of one still waiting for its settle.
     fn settle_finished(&mut self) {
-        for done in self.pool.take_done() {
-            self.settle(done);
+        let done = self.pool.take_done();
+        let mut waiting: HashMap<String, usize> = HashMap::new();
+        for d in &done {
+            *waiting.entry(d.batch.sink.clone()).or_default() += 1;
+        }
+        for d in done {
+            let left = waiting.get_mut(&d.batch.sink).map_or(0, |n| {
+                *n -= 1;
+                *n
+            });
+            self.settle(d, left == 0);
         }
     }
 
-    fn settle(&mut self, done: Done) {
+    /// Settles a batch; and claims the sink's next batches in the same transaction when `last`
+    /// (no batch of the sink waits for its settle after it) and the sink is keeping up.
+    fn settle(&mut self, done: Done, last: bool) {
+        self.pool.settling(&done.batch.sink);
         let Some(sink) = self.sinks.get_mut(&done.batch.sink) else {
             // disabled (or dropped) while the batch was out: still record what became of it,
             // so that it is not sent again when the sink comes back (a dropped sink's
@@ -345,7 +360,8 @@ impl Delivery {
             self.next_flush = Instant::now(); // outbox.status shows it at once
         }
         let mut combined_failed = None;
-        let keeping_up = !self.stopping
+        let keeping_up = last
+            && !self.stopping
             && !stop_requested()
             && sink.claim_retry_at.is_none()
             && sink.health.claims(Instant::now(), 0) == Claims::Full

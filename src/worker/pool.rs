@@ -90,6 +90,10 @@ impl Pool {
         self.wake_rx.as_raw_fd()
     }
 
+    /// The sink's batches out: being delivered, or back and not yet settled. A batch back from
+    /// its thread keeps its slot until its settle is written (Pool::settling): a crash before
+    /// that commits sends it again, so a claim taking its slot earlier would put more than
+    /// `concurrency` batches at risk of being sent twice.
     pub fn in_flight(&self, sink: &str) -> usize {
         self.sinks.get(sink).map_or(0, |s| s.in_flight)
     }
@@ -152,7 +156,8 @@ impl Pool {
         out.into_iter().map(|(_, batch)| batch).collect()
     }
 
-    /// The batches finished since the last call (abandoned ones left out).
+    /// The batches finished since the last call (abandoned ones left out). Each still counts
+    /// as in flight until Pool::settling is called for it.
     pub fn take_done(&mut self) -> Vec<Done> {
         let mut buf = [0u8; 256];
         while matches!((&self.wake_rx).read(&mut buf), Ok(n) if n > 0) {}
@@ -162,13 +167,20 @@ impl Pool {
                 if self.abandoned.contains(&d.ticket) {
                     sink.abandoned = sink.abandoned.saturating_sub(1);
                 } else {
-                    sink.in_flight = sink.in_flight.saturating_sub(1);
                     sink.out.remove(&d.ticket);
                 }
             }
         }
         done.retain(|d| !self.abandoned.remove(&d.ticket));
         done
+    }
+
+    /// A finished batch's settle is being written: its slot is free to a claim in the same
+    /// transaction (both commit, or neither does).
+    pub fn settling(&mut self, sink: &str) {
+        if let Some(sink) = self.sinks.get_mut(sink) {
+            sink.in_flight = sink.in_flight.saturating_sub(1);
+        }
     }
 }
 
