@@ -264,6 +264,38 @@ def test_a_delivered_batch_holds_its_slot_until_its_settle_commits(faulty):
         receiver.close()
 
 
+SETTLES = ("outbox.settle(text, int, bigint, jsonb), "
+           "outbox.settle_and_claim(text, int, bigint, jsonb, int, interval, text, int)")
+
+
+def test_a_settle_that_fails_is_tried_again_not_left_to_its_lease(faulty):
+    """A settle that fails (here EXECUTE on settle revoked for 3 s; in life a deadlock, a lock
+    or statement timeout) is tried again each second, and its batch keeps its slot meanwhile:
+    nothing more goes out while nothing can be settled, delivery resumes once settling works,
+    and nothing is sent twice. Left to its lease, each shard would stall until the lease ran
+    out (5 minutes) and its batch would go out again."""
+    receiver = Receiver()
+    batch, concurrency = 10, 2
+    try:
+        with connect(faulty) as conn:
+            sink = webhook(conn, receiver.url, batch_size=batch, concurrency=concurrency)
+            conn.execute(f"REVOKE EXECUTE ON FUNCTION {SETTLES} FROM outbox_relay")
+            emitted = emit_keys(conn, keys=10, per_key=5, prefix="unsettled")
+            wait_for(lambda: "settling a batch" in (conn.execute(
+                "SELECT last_sink_error FROM outbox.status WHERE consumer = %s", (sink,)).fetchone()[0] or ""))
+            time.sleep(2)
+            assert len(receiver.accepted_events()) <= concurrency * batch, \
+                "no more batches go out than there are slots while none can be settled"
+            conn.execute(f"GRANT EXECUTE ON FUNCTION {SETTLES} TO outbox_relay")
+            wait_for(lambda: conn.execute("SELECT pending FROM outbox.status WHERE consumer = %s",
+                                          (sink,)).fetchone()[0] == 0, timeout=15)
+            check_delivery(emitted, receiver.accepted_events())
+    finally:
+        with connect(faulty) as conn:
+            conn.execute(f"GRANT EXECUTE ON FUNCTION {SETTLES} TO outbox_relay")
+        receiver.close()
+
+
 def refusing(key: str) -> Receiver:
     """A receiver that answers 500 to any request holding an event of `key`."""
     return Receiver(lambda r: (500, {}, b"cannot handle this one")

@@ -8,7 +8,7 @@
 use super::health::{Claims, Health, Judgement, State, PROBE_EVENTS};
 use super::metrics::Metrics;
 use super::pool::{Batch, Done, Pool};
-use super::queries::{self, Figures, SinkRow};
+use super::queries::{self, Figures, Settled, SinkRow};
 use super::{report_activity, stop_requested};
 use crate::sinks::{Client, Config};
 use pgrx::prelude::*;
@@ -23,6 +23,8 @@ const RELOAD: Duration = Duration::from_secs(1);
 const FLUSH: Duration = Duration::from_secs(2);
 /// The delivery rate is the average over this window.
 const RATE_WINDOW: Duration = Duration::from_secs(10);
+/// A settle that failed is tried again this often (see Unsettled).
+const SETTLE_RETRY: Duration = Duration::from_secs(1);
 /// On SIGTERM, batches in flight get this long to finish and be settled.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// Claims shrink below the sink's batch_size when events are big, to about this many bytes,
@@ -51,9 +53,20 @@ struct Sink {
     logged_error: Option<(String, Instant)>,
 }
 
+/// A batch whose settle failed (a deadlock, a lock or statement timeout, a privilege revoked by
+/// mistake): its settle is tried again every SETTLE_RETRY while its lease lasts, and it keeps
+/// its slot meanwhile. Left to its lease, its shard would stall until the lease ran out (5
+/// minutes by default) and then go out again, a duplicate of every event in it.
+struct Unsettled {
+    batch: Batch,
+    judgement: Judgement,
+    next_try: Instant,
+}
+
 pub struct Delivery {
     pool: Pool,
     sinks: HashMap<String, Sink>,
+    unsettled: Vec<Unsettled>,
     next_reload: Instant,
     next_flush: Instant,
     /// Shutting down: batches in flight are settled, no more are claimed.
@@ -68,6 +81,7 @@ impl Delivery {
         Ok(Delivery {
             pool: Pool::new()?,
             sinks: HashMap::new(),
+            unsettled: Vec::new(),
             next_reload: Instant::now(),
             next_flush: Instant::now() + FLUSH,
             stopping: false,
@@ -323,6 +337,7 @@ impl Delivery {
     /// alone but for the last, which claims for every slot then free: as many claims as
     /// before, and no batch claimed into the slot of one still waiting for its settle.
     fn settle_finished(&mut self) {
+        self.retry_settles();
         let done = self.pool.take_done();
         let mut waiting: HashMap<String, usize> = HashMap::new();
         for d in &done {
@@ -403,22 +418,52 @@ impl Delivery {
             note_error(&done.batch.sink, sink, &error);
         }
         match result {
-            Ok(settled) => {
-                sink.figures.delivered += settled.delivered as u64;
-                sink.figures.failed += settled.failed as u64;
-                sink.recent.push_back((Instant::now(), settled.delivered));
-                if let Some(error) = settled.error {
-                    note_error(&done.batch.sink, sink, &error);
-                }
+            Ok(settled) => record(&done.batch.sink, sink, settled),
+            Err(e) => {
+                let error = format!("settling a batch of shard {}: {e}", done.batch.shard);
+                note_error(&done.batch.sink, sink, &error);
+                self.pool.settle_failed(&done.batch.sink);
+                self.unsettled.push(Unsettled {
+                    batch: done.batch,
+                    judgement,
+                    next_try: Instant::now() + SETTLE_RETRY,
+                });
             }
-            Err(e) => note_error(
-                &done.batch.sink,
-                sink,
-                &format!(
-                    "settling a batch of shard {} (took {:?}): {e}",
-                    done.batch.shard, done.took
+        }
+    }
+
+    /// Tries the failed settles that are due again. One failing past its batch's deadline is
+    /// given up: the batch is left to its lease, and goes out again once that runs out.
+    fn retry_settles(&mut self) {
+        let now = Instant::now();
+        let (due, later) = std::mem::take(&mut self.unsettled)
+            .into_iter()
+            .partition(|u| u.next_try <= now);
+        self.unsettled = later;
+        for mut u in due {
+            let result = queries::settle(&u.batch, &u.judgement);
+            if result.is_err() && now < u.batch.deadline {
+                u.next_try = now + SETTLE_RETRY;
+                self.unsettled.push(u);
+                continue;
+            }
+            self.pool.settling(&u.batch.sink);
+            let Some(sink) = self.sinks.get_mut(&u.batch.sink) else {
+                self.pool.forget(&u.batch.sink); // disabled or dropped meanwhile
+                continue;
+            };
+            match result {
+                Ok(settled) => record(&u.batch.sink, sink, settled),
+                Err(e) => note_error(
+                    &u.batch.sink,
+                    sink,
+                    &format!(
+                        "settling a batch of shard {} failed until its lease nearly ran out; it \
+                         goes out again once it has: {e}",
+                        u.batch.shard
+                    ),
                 ),
-            ),
+            }
         }
     }
 
@@ -487,6 +532,16 @@ fn claim_size(batch_size: i32, events: &[crate::sinks::Event]) -> (i32, i32) {
     let limit = ((BATCH_BYTES / per_event).max(1) as i32).min(batch_size.max(1));
     let shards = (BATCH_BYTES / (per_event * limit as usize)).clamp(1, i32::MAX as usize);
     (limit, shards as i32)
+}
+
+/// A settled batch's figures.
+fn record(name: &str, sink: &mut Sink, settled: Settled) {
+    sink.figures.delivered += settled.delivered as u64;
+    sink.figures.failed += settled.failed as u64;
+    sink.recent.push_back((Instant::now(), settled.delivered));
+    if let Some(error) = settled.error {
+        note_error(name, sink, &error);
+    }
 }
 
 /// Logs a sink's change of state once (not once per request) and tells the metrics.

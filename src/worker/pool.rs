@@ -175,6 +175,14 @@ impl Pool {
         done
     }
 
+    /// The settle written after Pool::settling failed: the batch holds its slot again until a
+    /// retry commits (or is given up).
+    pub fn settle_failed(&mut self, sink: &str) {
+        if let Some(sink) = self.sinks.get_mut(sink) {
+            sink.in_flight += 1;
+        }
+    }
+
     /// A finished batch's settle is being written: its slot is free to a claim in the same
     /// transaction (both commit, or neither does).
     pub fn settling(&mut self, sink: &str) {
