@@ -114,5 +114,8 @@ GRANT DELETE ON outbox.dead_letters, inbox.messages TO outbox_admin;
 -- outbox_worker: relays (outbox_relay), delivers with the sinks' settings, records their
 -- figures, runs maintenance. It connects as this role (outbox_ext.worker_role).
 GRANT SELECT ON outbox.sinks TO outbox_worker;
+-- which consumer a batch was claimed for: a sink dropped and made again under its name is
+-- another consumer, whose leases a late settle of the old one's batch must not touch
+GRANT SELECT (id, name) ON outbox.consumers TO outbox_worker;
 GRANT SELECT, INSERT, UPDATE ON outbox._sink_stats TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox.maintain() TO outbox_worker;

@@ -176,7 +176,7 @@ class Gate:
             self.arrived.append((request, gate))
             self.cond.notify_all()
         gate.wait(30)
-        return 200, {}, b""
+        return getattr(gate, "status", 200), {}, b""
 
     def held(self, path: str, n: int) -> list[tuple[Request, threading.Event]]:
         """The first n requests to path, with their gates, once they have come."""
@@ -261,6 +261,39 @@ def test_a_delivered_batch_holds_its_slot_until_its_settle_commits(faulty):
         gate.let_all_through()
         for lock in locks:
             lock.close()
+        receiver.close()
+
+
+def test_a_late_batch_of_a_sink_dropped_and_made_again_settles_nothing_of_the_new_one(faulty):
+    """A sink dropped and made again under its name is another consumer, whose epochs start
+    afresh: its first batch of a shard has the epoch of the old one's first. The old one's batch,
+    back late, must not be settled as the new one's: that took the new batch for delivered,
+    and when the new one's request failed its events were never sent."""
+    gate = Gate()
+    receiver = Receiver(gate.answer)
+    try:
+        with connect(faulty) as conn:
+            def emit(i):
+                return conn.execute("SELECT outbox.emit('order', 'again', 'e', jsonb_build_object('i', %s::int))::text",
+                                    (i,)).fetchone()[0]
+            name = webhook(conn, receiver.url + "/old", batch_size=5, concurrency=2)
+            for i in range(5):
+                emit(i)
+            [(_, old)] = gate.held("/old", 1)
+            conn.execute("SELECT outbox.drop_sink(%s)", (name,))
+            create_sink(conn, name, "webhook", receiver.url + "/new", batch_size=5, concurrency=2)
+            new_events = [emit(i) for i in range(5, 10)]
+            [(_, new)] = gate.held("/new", 1)
+            old.set()                              # back late, after the new sink's claim
+            time.sleep(1)
+            new.status = 503                       # the new sink's first try fails
+            new.set()
+            gate.let_all_through()
+            wait_for(lambda: {e["id"] for e in receiver.accepted_events()} >= set(new_events), timeout=30)
+            wait_for(lambda: conn.execute("SELECT pending FROM outbox.status WHERE consumer = %s",
+                                          (name,)).fetchone()[0] == 0)
+    finally:
+        gate.let_all_through()
         receiver.close()
 
 

@@ -58,6 +58,9 @@ impl Kind {
 #[derive(Debug, Clone)]
 pub struct Config {
     pub name: String,
+    /// The sink's consumer (outbox.consumers.id): a sink dropped and made again under its name
+    /// is another consumer.
+    pub consumer_id: i32,
     pub kind: Kind,
     /// webhook and Kafka REST: http(s)://...; kafka: kafka(s)://host:port,...
     pub url: String,
@@ -371,6 +374,7 @@ pub fn push_json_str(out: &mut String, s: &str) {
 pub fn test_config(kind: Kind, url: &str) -> Config {
     Config {
         name: "test".into(),
+        consumer_id: 1,
         kind,
         url: url.into(),
         format: String::new(),

@@ -420,6 +420,7 @@ mod tests {
     fn batch(shard: i32, ids: &[&str]) -> Batch {
         Batch {
             sink: "s".into(),
+            consumer_id: 1,
             shard,
             epoch: 1,
             deadline: Instant::now() + Duration::from_secs(60),

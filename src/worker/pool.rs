@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 /// A claimed batch: the events of one shard under one lease epoch.
 pub struct Batch {
     pub sink: String,
+    /// The consumer it was claimed for (see Config::consumer_id).
+    pub consumer_id: i32,
     pub shard: i32,
     pub epoch: i64,
     /// No request of the batch may start that could outlast this (its lease, less a margin

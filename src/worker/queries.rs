@@ -65,8 +65,11 @@ pub fn load_sinks() -> Result<Vec<SinkRow>, String> {
                 pg_catalog.date_part('epoch', s.request_timeout) AS request_timeout,
                 s.secret, s.http_headers, s.tls_ca, s.topic_map, s.cluster_id,
                 s.compression, pg_catalog.date_part('epoch', s.linger) AS linger,
-                s.sasl_mechanism, s.sasl_username, s.updated_at::text AS stamp
-           FROM outbox.sinks s WHERE s.enabled ORDER BY s.name",
+                s.sasl_mechanism, s.sasl_username, s.updated_at::text AS stamp,
+                c.id AS consumer_id
+           FROM outbox.sinks s
+           JOIN outbox.consumers c ON c.name OPERATOR(pg_catalog.=) s.name
+          WHERE s.enabled ORDER BY s.name",
     )?;
     Ok(columns
         .into_iter()
@@ -117,6 +120,7 @@ struct SinkColumns {
     sasl_mechanism: Option<String>,
     sasl_username: Option<String>,
     stamp: String,
+    consumer_id: i32,
 }
 
 impl SinkColumns {
@@ -126,6 +130,7 @@ impl SinkColumns {
         let config = Config {
             kind: Kind::parse(&self.kind)?,
             name: self.name,
+            consumer_id: self.consumer_id,
             url: self.url,
             format: self.format.unwrap_or_default(),
             topics: self.topics,
@@ -229,7 +234,7 @@ pub fn claim(
                     shards.into(),
                 ],
             )?;
-            Ok::<_, pgrx::spi::Error>(read_batches(&config.name, lease, rows))
+            Ok::<_, pgrx::spi::Error>(read_batches(config, lease, rows))
         })
     })?
     .map_err(|e| e.to_string())
@@ -249,6 +254,9 @@ pub fn settle_and_claim(
 ) -> Result<(Settled, Vec<Batch>), String> {
     in_transaction(|| {
         Spi::connect_mut(|client| {
+            if !claimed_for(client, batch)? {
+                return Ok((Settled::default(), Vec::new()));
+            }
             let (failures, settled) = failures(batch, verdicts);
             let as_read = run_kept(
                 client,
@@ -279,7 +287,7 @@ pub fn settle_and_claim(
                     shards.into(),
                 ],
             )?;
-            Ok::<_, pgrx::spi::Error>((settled, read_batches(&config.name, lease, rows)))
+            Ok::<_, pgrx::spi::Error>((settled, read_batches(config, lease, rows)))
         })
     })?
     .map_err(|e| e.to_string())
@@ -299,7 +307,7 @@ const CLAIMED_TYPES: [pg_sys::Oid; 11] = {
 /// must be the last result of SPI: each row is read straight from SPI's result with one deform, as
 /// pgrx's reads column by column (two guarded calls into PostgreSQL each, every column found
 /// from the row's start) took a fifth of the worker's time at batches of 1,000.
-fn read_batches(sink: &str, lease: Duration, rows: pgrx::spi::SpiTupleTable) -> Vec<Batch> {
+fn read_batches(config: &Config, lease: Duration, rows: pgrx::spi::SpiTupleTable) -> Vec<Batch> {
     let deadline = Instant::now() + lease.mul_f64(0.9);
     // SAFETY: SPI_tuptable and SPI_processed describe `rows`, the last statement's result
     // (nothing ran since); its columns are checked against CLAIMED_TYPES before any is read,
@@ -336,7 +344,8 @@ fn read_batches(sink: &str, lease: Duration, rows: pgrx::spi::SpiTupleTable) -> 
                 .is_none_or(|b| (b.shard, b.epoch) != (shard, epoch))
             {
                 batches.push(Batch {
-                    sink: sink.to_owned(),
+                    sink: config.name.clone(),
+                    consumer_id: config.consumer_id,
                     shard,
                     epoch,
                     deadline,
@@ -392,23 +401,43 @@ fn give_back(
 /// (outbox.release), or settled (outbox.settle).
 pub fn settle(batch: &Batch, judgement: &Judgement) -> Result<Settled, String> {
     in_transaction(|| {
-        Spi::connect_mut(|client| match judgement {
-            Judgement::GiveBack { error } => {
-                give_back(client, &batch.sink, batch.shard, batch.epoch)?;
-                Ok(Settled {
-                    delivered: 0,
-                    failed: 0,
-                    error: Some(error.clone()),
-                })
+        Spi::connect_mut(|client| {
+            if !claimed_for(client, batch)? {
+                return Ok(Settled::default());
             }
-            Judgement::Settle(verdicts) => {
-                let (failures, settled) = failures(batch, verdicts);
-                settle_only(client, batch, failures)?;
-                Ok(settled)
+            match judgement {
+                Judgement::GiveBack { error } => {
+                    give_back(client, &batch.sink, batch.shard, batch.epoch)?;
+                    Ok(Settled {
+                        delivered: 0,
+                        failed: 0,
+                        error: Some(error.clone()),
+                    })
+                }
+                Judgement::Settle(verdicts) => {
+                    let (failures, settled) = failures(batch, verdicts);
+                    settle_only(client, batch, failures)?;
+                    Ok(settled)
+                }
             }
         })
     })?
     .map_err(|e: pgrx::spi::Error| e.to_string())
+}
+
+/// Whether the batch's sink is still the consumer it was claimed for. One dropped and made
+/// again under its name is another, with leases and epochs of its own: a late settle of the old
+/// one's batch could take the new one's batch at the same shard and epoch for settled (its
+/// events then lost). The old one's batch is nobody's now: nothing to settle.
+fn claimed_for(client: &SpiClient, batch: &Batch) -> SpiResult<bool> {
+    Ok(run_kept(
+        client,
+        "SELECT 1 FROM outbox.consumers c
+          WHERE c.name OPERATOR(pg_catalog.=) $1 AND c.id OPERATOR(pg_catalog.=) $2",
+        &[batch.sink.as_str().into(), batch.consumer_id.into()],
+    )?
+    .len()
+        == 1)
 }
 
 fn settle_only(
