@@ -17,6 +17,7 @@ import time
 import psycopg
 import pytest
 
+from support.db import cpu_seconds, worker_pid
 from support.events import emit_keys
 from support.peers import Receiver, certificates, check_delivery, wait_for
 
@@ -99,6 +100,37 @@ def test_a_fault_of_the_whole_sink_dead_letters_nothing(conn, new_sink, fault):
         assert (after["dead_letters"], after["parked_keys"], after["undelivered"]) == (0, 0, 0)
         assert after["sink_suspensions"] >= 1
     finally:
+        peer.receiver.close()
+
+
+def test_a_suspended_sink_waiting_on_its_probe_costs_next_to_no_cpu(conn, new_sink, cluster, deliver_db):
+    """While a suspended sink's probe is out at a receiver that has not answered yet, the worker
+    sleeps until something happens. (It woke every millisecond: the probe's due time, once
+    past, made every wait 1 ms, for as long as the probe was out.)"""
+    hang, release, hung = threading.Event(), threading.Event(), []
+
+    def fault(request):
+        if hang.is_set():
+            hung.append(request)
+            release.wait(30)
+            return None                    # accepted once released
+        return 503, {}, b"deploying"
+    peer = Misbehaving(fault)
+    try:
+        sink = new_sink("webhook", peer.receiver.url, batch_size=20, request_timeout="20 s", **SHORT_POLICY)
+        emit_keys(conn, keys=5, per_key=2, prefix="idle-probe")
+        wait_for(lambda: status(conn, sink)["sink_state"] == "suspended", timeout=10)
+        hang.set()
+        wait_for(lambda: hung, timeout=10)  # the next probe goes out, and hangs
+        time.sleep(0.5)
+        pid = worker_pid(cluster, deliver_db)
+        before = cpu_seconds(pid)
+        time.sleep(5)
+        # waking every millisecond took 0.12 s of CPU in 5 s here; sleeping, 0.01
+        assert cpu_seconds(pid) - before < 0.06, "a probe out costs next to no CPU"
+        assert status(conn, sink)["sink_state"] == "suspended"
+    finally:
+        release.set()
         peer.receiver.close()
 
 

@@ -5,20 +5,13 @@ SIGHUP, and shows itself in pg_stat_activity."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
-from support.db import worker_pid
+from support.db import cpu_seconds, worker_pid
 from support.peers import Receiver, check_delivery, create_sink, wait_for
 from support.versions import NEW, RELEASED
-
-
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a process"""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_waits_quietly_for_create_extension_then_runs_maintenance(cluster, worker_db):

@@ -98,10 +98,13 @@ impl Delivery {
     pub fn wait(&mut self, deadline: Instant) -> bool {
         let now = Instant::now();
         let mut until = deadline.min(now + POLL).min(self.next_flush);
+        // a time already past was acted on by the last round (or waits for a batch out, whose
+        // end wakes us): taken as a deadline, it made every wait 1 ms for as long as it lasted
         for sink in self.sinks.values() {
             for t in [sink.health.wake_at(), sink.claim_retry_at]
                 .into_iter()
                 .flatten()
+                .filter(|t| *t > now)
             {
                 until = until.min(t);
             }

@@ -1,9 +1,10 @@
 """Queries on a test database: keys that land in a shard, counts of events, a backend waiting
 for a lock, an event written at a time of our choosing, the partitions a statement scans, the
-worker's pid."""
+worker's pid and the CPU time of a process."""
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -53,3 +54,9 @@ def partitions_scanned(db, which: str, sql: str, *args) -> int:
 def worker_pid(cluster, db: str = "worker_db"):
     """the worker's pid"""
     return cluster.worker_pid(db)
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process"""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
