@@ -315,3 +315,51 @@ def test_a_cluster_stalled_past_the_request_timeout_keeps_each_key_in_order(conn
         kafka.wait_ready()
         time.sleep(2)
     all_arrive_in_order(conn, kafka, sink, topic, sent, max_duplicates=4 * 50)
+
+
+def test_a_partition_away_for_long_gets_each_record_once_while_the_others_deliver(conn, cluster, deliver_db,
+                                                                                   new_sink, kafka, topic):
+    """A partition without a leader (the node of its only replica stopped) while the rest of
+    the cluster takes records: its key goes back unsent at every request timeout and is tried
+    again, its records still queued in the client. A retry waits for the queued record instead
+    of queueing a copy: once the partition is back each record arrives once, not once per
+    retry, and the client's queue does not fill with copies (which would stop every partition).
+    A key of the partition and a key that delivers share a shard, so that every batch of it
+    delivers something (a batch with nothing through replaces the producer, dropping what it
+    holds)."""
+    on_oldest_and_newest_major(cluster)
+    away = f"away{next(_topics)}"
+    kafka.create_topic(away, partitions=1, rf=1)
+    node = kafka.leader(away, 0)
+    shard = conn.execute("SELECT outbox.shard_of('away')").fetchone()[0]
+    flowing = next(k for k in (f"flow{i}" for i in range(1000))
+                   if conn.execute("SELECT outbox.shard_of(%s)", (k,)).fetchone()[0] == shard)
+    sink = kafka_sink(new_sink, kafka, batch_size=50, concurrency=4)
+    sent: dict[str, list[int]] = {"away": [], flowing: []}
+
+    def emit(key: str, i: int, to: str):
+        conn.execute("SELECT outbox.emit('order', %s, 'e', %s::jsonb, NULL, %s)", (key, json.dumps({"i": i}), to))
+        sent[key].append(i)
+    kafka.stop(node)
+    try:
+        with conn.transaction():
+            for i in range(3):
+                emit("away", i, away)
+            emit(flowing, 0, topic)
+        end = time.monotonic() + 13          # four request timeouts and more
+        for i in itertools.count(1):
+            if time.monotonic() > end:
+                break
+            emit(flowing, i, topic)
+            time.sleep(0.05)
+        assert status(conn, sink)["undelivered"] >= 3, "the partition's records waited"
+    finally:
+        kafka.start(node)
+    kafka.wait_ready()
+    wait_for(lambda: status(conn, sink)["undelivered"] == 0, timeout=120)
+    away_arrived, away_duplicates = first_arrivals(kafka.read(away, expect=3, timeout=60))
+    assert away_arrived == {"away": [0, 1, 2]}, "nothing lost, in emit order"
+    assert away_duplicates == 0, f"{away_duplicates} copies of the partition's records arrived"
+    flowing_arrived, _ = first_arrivals([r for r in kafka.read(topic, expect=len(sent[flowing]), timeout=60)])
+    assert flowing_arrived == {flowing: sent[flowing]}
+    assert status(conn, sink)["dead_letters"] == 0

@@ -13,8 +13,13 @@
 //!   key's record for a topic other than its previous record's waits for that one's report;
 //! - a record is acked only on its delivery report. What has no report by the sink's
 //!   request_timeout (or the batch's deadline) goes back unsent, its key waiting from the first
-//!   such record, with no attempt counted; a copy still queued in the client may then arrive
-//!   twice, never ahead of an earlier record of its key.
+//!   such record, with no attempt counted. The record stays queued in the client: when its key
+//!   comes again, the later batch waits for that record's report instead of queueing a copy,
+//!   or takes it for delivered if it was since (Copies). So a partition away for minutes (no
+//!   leader, not enough replicas) while the others deliver gets each record once, not once per
+//!   retry, and the client's queue does not fill with copies. A copy can still arrive twice
+//!   after the producer is replaced (Producer::retire), never ahead of an earlier record of
+//!   its key.
 //!
 //! The producer lives on the delivery threads (created on first use, where every signal is
 //! blocked, so its threads inherit that mask) and never calls into PostgreSQL.
@@ -29,7 +34,7 @@ use rdkafka::producer::{
 };
 use rdkafka::types::RDKafkaErrorCode as Code;
 use rdkafka::ClientContext;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -137,7 +142,13 @@ impl Producer {
             };
             let verdict = match go_on {
                 false => Some(held_back()),
-                true => produce(&live, config, event, &topic, &batch, i, deadline).err(),
+                true => match earlier_copy(&live, &event.id, &batch, i) {
+                    EarlierCopy::Queued => None,
+                    EarlierCopy::Delivered => Some(Verdict::Delivered),
+                    EarlierCopy::NotQueued => {
+                        produce(&live, config, event, &topic, &batch, i, deadline).err()
+                    }
+                },
             };
             if let Some(verdict) = verdict {
                 batch.report(i, verdict);
@@ -148,6 +159,8 @@ impl Producer {
         if batch.nothing_through() {
             self.retire(&live);
         }
+        // from here, a report is remembered for the next batch of its key, not lost on this one
+        batch.over.store(true, Ordering::Relaxed);
         batch.outcome(live.context().last_error())
     }
 
@@ -191,6 +204,20 @@ fn tear_down(producer: Arc<ThreadedProducer<Reports>>) {
     drop(spawned); // if no thread could start, the producer went with the closure, here
 }
 
+/// What became of the copy of event `id` an earlier batch queued (Copies::earlier). A function
+/// of its own so that the lock is let go before the match on its answer queues the record.
+fn earlier_copy(
+    producer: &ThreadedProducer<Reports>,
+    id: &str,
+    batch: &Arc<Batch>,
+    i: usize,
+) -> EarlierCopy {
+    producer
+        .context()
+        .copies()
+        .earlier(id, (Arc::clone(batch), i))
+}
+
 /// Queues one record; Err(verdict) when it cannot be queued (a full queue is waited on for at
 /// most QUEUE_FULL_PATIENCE).
 fn produce(
@@ -217,13 +244,17 @@ fn produce(
                 })
             });
     let value = record_value(config, event);
-    let mut record = BaseRecord::with_opaque_to(topic, Box::new((Arc::clone(batch), i)))
+    let id: Arc<str> = Arc::from(event.id.as_str());
+    let opaque = Box::new((Arc::clone(batch), i, Arc::clone(&id)));
+    let mut record = BaseRecord::with_opaque_to(topic, opaque)
         .key(event.aggregate_id.as_bytes())
         .headers(headers);
     if let Some(value) = &value {
         record = record.payload(value.as_bytes());
     }
     let patience = deadline.min(Instant::now() + QUEUE_FULL_PATIENCE);
+    // queued from before the send: its report may come before send returns
+    producer.context().copies().queueing(&id);
     loop {
         match producer.send(record) {
             Ok(()) => return Ok(()),
@@ -233,7 +264,10 @@ fn produce(
                 record = back;
                 std::thread::sleep(QUEUE_FULL_WAIT);
             }
-            Err((error, _)) => return Err(judge(&error)),
+            Err((error, _)) => {
+                producer.context().copies().not_queued(&id);
+                return Err(judge(&error));
+            }
         }
     }
 }
@@ -266,6 +300,8 @@ fn judge(error: &KafkaError) -> Verdict {
 struct Batch {
     verdicts: Mutex<Verdicts>,
     reported: Condvar,
+    /// Its outcome was taken: reports that come later are for no one.
+    over: AtomicBool,
 }
 
 struct Verdicts {
@@ -284,6 +320,7 @@ impl Batch {
                 awaited: None,
             }),
             reported: Condvar::new(),
+            over: AtomicBool::new(false),
         }
     }
 
@@ -379,9 +416,111 @@ struct Reports {
     /// The client's last error, until a record is delivered.
     last_error: Mutex<Option<String>>,
     has_error: AtomicBool,
+    /// The records this producer queued, while what became of them matters.
+    copies: Mutex<Copies>,
+}
+
+/// The records a producer queued, by event id, while what became of them matters (see the
+/// top): queued and not yet reported, or delivered after their batch went back unsent.
+#[derive(Default)]
+struct Copies {
+    by_id: HashMap<Arc<str>, Copy>,
+    /// The records delivered late, oldest first, to be forgotten after DELIVERED_LATE_KEPT.
+    late: VecDeque<(Instant, Arc<str>)>,
+}
+
+enum Copy {
+    /// Queued and not yet reported; the places of later batches that wait for its report.
+    Queued(Vec<Place>),
+    /// Delivered (at this time) when no batch waited for it, its own having gone back unsent:
+    /// the next batch of its key takes it for delivered.
+    DeliveredLate(Instant),
+}
+
+/// How long a record delivered late is remembered: its key is tried again within its backoff
+/// (backoff_max, 10 minutes by default). Forgotten, it is only sent again.
+const DELIVERED_LATE_KEPT: Duration = Duration::from_secs(3600);
+
+/// What became of a record an earlier batch of its key queued (that batch went back unsent).
+enum EarlierCopy {
+    /// There is none: queue this one.
+    NotQueued,
+    /// Still queued: its report is this record's.
+    Queued,
+    /// Delivered since: so is this record.
+    Delivered,
+}
+
+/// A record's place in a batch: the batch and the record's index in it.
+type Place = (Arc<Batch>, usize);
+
+impl Copies {
+    /// Event `id`'s copy queued by an earlier batch, if any; one still queued will report to
+    /// `place` too. One event is in one batch out at a time (its shard's), so nothing queues
+    /// it meanwhile.
+    fn earlier(&mut self, id: &str, place: Place) -> EarlierCopy {
+        match self.by_id.get_mut(id) {
+            Some(Copy::Queued(waiting)) => {
+                // only live batches wait: a record away for hours is tried again many times
+                waiting.retain(|(earlier, _)| !earlier.over.load(Ordering::Relaxed));
+                waiting.push(place);
+                EarlierCopy::Queued
+            }
+            Some(Copy::DeliveredLate(_)) => {
+                self.by_id.remove(id);
+                EarlierCopy::Delivered
+            }
+            None => EarlierCopy::NotQueued,
+        }
+    }
+
+    fn queueing(&mut self, id: &Arc<str>) {
+        self.by_id.insert(Arc::clone(id), Copy::Queued(Vec::new()));
+    }
+
+    fn not_queued(&mut self, id: &str) {
+        self.by_id.remove(id);
+    }
+
+    /// Record `id` was reported: the places still waiting for it, its own batch's first.
+    /// Delivered with none, it is remembered for the next batch of its key. (A report that
+    /// comes as its own batch's outcome is taken goes to neither: one more copy, no loss.)
+    fn reported(&mut self, id: &Arc<str>, own: Place, delivered: bool) -> Vec<Place> {
+        let mut waiting = match self.by_id.remove(id) {
+            Some(Copy::Queued(waiting)) => waiting,
+            _ => Vec::new(),
+        };
+        waiting.insert(0, own);
+        waiting.retain(|(batch, _)| !batch.over.load(Ordering::Relaxed));
+        if waiting.is_empty() && delivered {
+            let now = Instant::now();
+            self.forget_outlived(now);
+            self.by_id.insert(Arc::clone(id), Copy::DeliveredLate(now));
+            self.late.push_back((now, Arc::clone(id)));
+        }
+        waiting
+    }
+
+    fn forget_outlived(&mut self, now: Instant) {
+        while let Some((at, id)) = self
+            .late
+            .front()
+            .filter(|(at, _)| now.duration_since(*at) > DELIVERED_LATE_KEPT)
+            .cloned()
+        {
+            self.late.pop_front();
+            if matches!(self.by_id.get(&id), Some(Copy::DeliveredLate(t)) if *t == at) {
+                self.by_id.remove(&id);
+            }
+        }
+    }
 }
 
 impl Reports {
+    fn copies(&self) -> std::sync::MutexGuard<'_, Copies> {
+        self.copies.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn last_error(&self) -> Option<String> {
         self.last_error
             .lock()
@@ -406,10 +545,10 @@ impl ClientContext for Reports {
 }
 
 impl ProducerContext for Reports {
-    type DeliveryOpaque = Box<(Arc<Batch>, usize)>;
+    type DeliveryOpaque = Box<(Arc<Batch>, usize, Arc<str>)>;
 
     fn delivery(&self, result: &DeliveryResult<'_>, opaque: Self::DeliveryOpaque) {
-        let (batch, i) = *opaque;
+        let (batch, i, id) = *opaque;
         let verdict = match result {
             Ok(_) => {
                 if self.has_error.swap(false, Ordering::Relaxed) {
@@ -419,7 +558,12 @@ impl ProducerContext for Reports {
             }
             Err((error, _)) => judge(error),
         };
-        batch.report(i, verdict);
+        let waiting = self
+            .copies()
+            .reported(&id, (batch, i), verdict == Verdict::Delivered);
+        for (waiting, j) in waiting {
+            waiting.report(j, verdict.clone());
+        }
     }
 }
 
@@ -576,5 +720,57 @@ mod tests {
         ] {
             assert!(bootstrap(bad).is_err(), "{bad}");
         }
+    }
+
+    /// A record queued by a batch that went back unsent at its deadline.
+    fn queued_by_a_batch_gone_back(copies: &mut Copies, id: &Arc<str>) -> Arc<Batch> {
+        let first = Arc::new(Batch::new(1));
+        copies.queueing(id);
+        first.over.store(true, Ordering::Relaxed);
+        first
+    }
+
+    #[test]
+    fn a_record_still_queued_reports_to_the_next_batch_of_its_key_not_sent_again() {
+        let (mut copies, id) = (Copies::default(), Arc::from("e1"));
+        let first = queued_by_a_batch_gone_back(&mut copies, &id);
+        let second = Arc::new(Batch::new(2));
+        let earlier = copies.earlier("e1", (Arc::clone(&second), 1));
+        assert!(matches!(earlier, EarlierCopy::Queued));
+        for (batch, j) in copies.reported(&id, (Arc::clone(&first), 0), true) {
+            batch.report(j, Verdict::Delivered);
+        }
+        assert_eq!(second.verdict(1), Some(Verdict::Delivered));
+        assert_eq!(first.verdict(0), None, "a batch gone back takes no report");
+    }
+
+    #[test]
+    fn a_record_delivered_after_its_batch_went_back_is_taken_for_delivered_once() {
+        let (mut copies, id) = (Copies::default(), Arc::from("e1"));
+        let first = queued_by_a_batch_gone_back(&mut copies, &id);
+        assert!(copies.reported(&id, (first, 0), true).is_empty());
+        let next = Arc::new(Batch::new(1));
+        let earlier = copies.earlier("e1", (Arc::clone(&next), 0));
+        assert!(matches!(earlier, EarlierCopy::Delivered));
+        let again = copies.earlier("e1", (next, 0));
+        assert!(matches!(again, EarlierCopy::NotQueued));
+    }
+
+    #[test]
+    fn a_record_failed_after_its_batch_went_back_is_sent_again() {
+        let (mut copies, id) = (Copies::default(), Arc::from("e1"));
+        let first = queued_by_a_batch_gone_back(&mut copies, &id);
+        assert!(copies.reported(&id, (first, 0), false).is_empty());
+        let earlier = copies.earlier("e1", (Arc::new(Batch::new(1)), 0));
+        assert!(matches!(earlier, EarlierCopy::NotQueued));
+    }
+
+    #[test]
+    fn records_delivered_late_are_forgotten_after_a_while() {
+        let (mut copies, id) = (Copies::default(), Arc::from("e1"));
+        let first = queued_by_a_batch_gone_back(&mut copies, &id);
+        copies.reported(&id, (first, 0), true);
+        copies.forget_outlived(Instant::now() + DELIVERED_LATE_KEPT + Duration::from_secs(1));
+        assert!(copies.by_id.is_empty() && copies.late.is_empty());
     }
 }
