@@ -362,8 +362,8 @@ impl Delivery {
         let Some(sink) = self.sinks.get_mut(&done.batch.sink) else {
             // disabled (or dropped) while the batch was out: still record what became of it,
             // so that it is not sent again when the sink comes back (a dropped sink's
-            // consumer is gone, and the statement fails harmlessly); its failures are not
-            // judged (no sink to judge them by): given back, unless something went through
+            // consumer is gone: nothing is settled, see queries::claimed_for); its failures are
+            // not judged (no sink to judge them by): given back, unless something went through
             let judgement = Health::default().judge(&done.batch, done.outcome, done.started);
             let _ = queries::settle(&done.batch, &judgement);
             self.pool.forget(&done.batch.sink);
