@@ -134,6 +134,42 @@ def test_a_suspended_sink_waiting_on_its_probe_costs_next_to_no_cpu(conn, new_si
         peer.receiver.close()
 
 
+def test_a_probe_given_back_by_a_fix_of_the_sink_row_sends_no_more_of_itself(conn, new_sink):
+    """A fix of a suspended sink's row gives its probe back at once, and the new settings send
+    the events again. The probe sends one event a request: once its request out comes back,
+    its thread sends no more of it (each would be a duplicate beyond the batches in flight)."""
+    phase = ["failing"]          # failing, then holding the probe's first request, then open
+    held, release = threading.Event(), threading.Event()
+    after_release: list = []
+
+    def fault(request):
+        if release.is_set():
+            after_release.append(request)
+        elif phase[0] == "failing":
+            return 503, {}, b"deploying"
+        elif phase[0] == "holding" and len(request.events()) == 1:
+            phase[0] = "open"
+            held.set()
+            release.wait(30)
+        return None
+    peer = Misbehaving(fault)
+    try:
+        sink = new_sink("webhook", peer.receiver.url, batch_size=20, **SHORT_POLICY)
+        emitted = emit_keys(conn, keys=1, per_key=10, prefix="given-up")
+        wait_for(lambda: status(conn, sink)["sink_state"] == "suspended", timeout=10)
+        phase[0] = "holding"
+        held.wait(10)
+        conn.execute("UPDATE outbox.sinks SET request_timeout = '29 s' WHERE name = %s", (sink,))
+        wait_for(lambda: len(peer.receiver.accepted_events()) >= 10, timeout=10)  # sent again
+        release.set()
+        time.sleep(1.5)
+        assert after_release == [], "the probe given back sent no more of itself"
+        check_delivery(emitted, peer.receiver.accepted_events(), max_duplicates=1)
+    finally:
+        release.set()
+        peer.receiver.close()
+
+
 def test_steady_throttling_of_single_requests_dead_letters_nothing(conn, new_sink):
     peer = Misbehaving(throttle(0.3))
     try:

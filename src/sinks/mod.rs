@@ -13,8 +13,31 @@ pub mod kafka_rest;
 pub mod records;
 pub mod webhook;
 
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+thread_local! {
+    /// Set when the worker gave up on the batch this delivery thread sends (Pool::abandon):
+    /// its shard was given back and may be out again under the sink's new settings, so no
+    /// further request of it starts (each would be a duplicate beyond the batches in flight).
+    static GIVEN_UP: RefCell<Option<Arc<AtomicBool>>> = const { RefCell::new(None) };
+}
+
+/// The flag that says the current thread's batch was given up on (see GIVEN_UP).
+pub fn delivering(given_up: Arc<AtomicBool>) {
+    GIVEN_UP.with(|g| *g.borrow_mut() = Some(given_up));
+}
+
+fn given_up() -> bool {
+    GIVEN_UP.with(|g| {
+        g.borrow()
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Relaxed))
+    })
+}
 
 /// One claimed event, as the worker read it (JSON fields kept as the text PostgreSQL gave).
 #[derive(Debug, Clone)]
@@ -258,9 +281,9 @@ impl Client {
 
 /// Whether a request started now could still be going at `deadline` (the batch's lease, less
 /// a margin for settling): a batch must never be re-claimed while part of it is still out, or
-/// the later copy could overtake newer events of its keys.
+/// the later copy could overtake newer events of its keys. Or the batch was given up on.
 pub fn out_of_time(config: &Config, deadline: Instant) -> bool {
-    Instant::now() + config.request_timeout >= deadline
+    Instant::now() + config.request_timeout >= deadline || given_up()
 }
 
 /// The verdicts of a batch sent in several requests. When the sink goes down after part of the

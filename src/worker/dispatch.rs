@@ -230,8 +230,9 @@ impl Delivery {
                 if sink.health.state != State::Healthy {
                     // its batches out are probes of the old settings, which may hang until
                     // their request timeout holding their shards: given back now, the new
-                    // settings are tried on them at once (a late delivery by the old client
-                    // is a duplicate, after the new client's copy or before it)
+                    // settings are tried on them at once (the old client's request out,
+                    // delivered late, is a duplicate, after the new client's copy or before it;
+                    // it starts no further request of them)
                     for (shard, epoch) in self.pool.abandon(&name) {
                         if let Err(e) = queries::release(&name, shard, epoch) {
                             warning!("outbox_ext: sink \"{name}\": giving back a probe: {e}");

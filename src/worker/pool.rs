@@ -12,6 +12,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -43,6 +44,15 @@ struct Job {
     client: Arc<Client>,
     batch: Batch,
     probe: bool,
+    /// Set by Pool::abandon: the thread starts no further request of the batch.
+    given_up: Arc<AtomicBool>,
+}
+
+/// A batch out: its shard and epoch, and its job's given_up.
+struct Out {
+    shard: i32,
+    epoch: i64,
+    given_up: Arc<AtomicBool>,
 }
 
 pub struct Pool {
@@ -64,8 +74,8 @@ struct SinkThreads {
     queue: Arc<Mutex<Receiver<Job>>>,
     threads: usize,
     in_flight: usize,
-    /// The batches out by ticket, (shard, epoch), abandoned ones aside.
-    out: HashMap<u64, (i32, i64)>,
+    /// The batches out by ticket, abandoned ones aside.
+    out: HashMap<u64, Out>,
     /// Abandoned batches still being delivered: they hold threads.
     abandoned: usize,
 }
@@ -121,7 +131,13 @@ impl Pool {
         self.next_ticket += 1;
         let ticket = self.next_ticket;
         sink.in_flight += 1;
-        sink.out.insert(ticket, (batch.shard, batch.epoch));
+        let given_up = Arc::new(AtomicBool::new(false));
+        let out = Out {
+            shard: batch.shard,
+            epoch: batch.epoch,
+            given_up: Arc::clone(&given_up),
+        };
+        sink.out.insert(ticket, out);
         if sink.threads < sink.in_flight + sink.abandoned
             && spawn(&sink.queue, &self.done_tx, &self.wake_tx)
         {
@@ -133,6 +149,7 @@ impl Pool {
             client,
             batch,
             probe,
+            given_up,
         });
     }
 
@@ -144,18 +161,25 @@ impl Pool {
         }
     }
 
-    /// Gives up on a sink's batches out: their outcome, whenever it comes, is dropped, and they
+    /// Gives up on a sink's batches out: their outcome, whenever it comes, is dropped, they
     /// no longer count against its concurrency (new batches get threads of their own while
-    /// they hold theirs). Returns them, (shard, epoch), for their leases to be given back.
+    /// they hold theirs), and their threads start no further request of them (a batch sent in
+    /// several requests stops after the one out). Returns them, (shard, epoch), for their
+    /// leases to be given back.
     pub fn abandon(&mut self, sink: &str) -> Vec<(i32, i64)> {
         let Some(threads) = self.sinks.get_mut(sink) else {
             return Vec::new();
         };
-        let out: Vec<(u64, (i32, i64))> = threads.out.drain().collect();
+        let out: Vec<(u64, Out)> = threads.out.drain().collect();
         threads.in_flight = threads.in_flight.saturating_sub(out.len());
         threads.abandoned += out.len();
         self.abandoned.extend(out.iter().map(|(ticket, _)| *ticket));
-        out.into_iter().map(|(_, batch)| batch).collect()
+        out.into_iter()
+            .map(|(_, out)| {
+                out.given_up.store(true, Ordering::Relaxed);
+                (out.shard, out.epoch)
+            })
+            .collect()
     }
 
     /// The batches finished since the last call (abandoned ones left out). Each still counts
@@ -218,6 +242,7 @@ fn deliver_loop(queue: &Mutex<Receiver<Job>>, done: &Sender<Done>, wake: &UnixSt
             }
         };
         let started = Instant::now();
+        crate::sinks::delivering(Arc::clone(&job.given_up));
         let (batch, probe) = (&job.batch, job.probe);
         let outcome = catch_unwind(AssertUnwindSafe(|| {
             job.client.deliver(&batch.events, batch.deadline, probe)
