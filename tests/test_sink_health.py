@@ -288,6 +288,30 @@ def test_a_key_that_fails_among_healthy_ones_is_still_dead_lettered(conn, new_si
         receiver.close()
 
 
+def test_a_retry_after_of_an_hour_parks_a_key_five_minutes_at_most(conn, new_sink):
+    """A receiver mid-deploy answers one key's requests 500 with "Retry-After: 3600" while it
+    takes the others: the key is parked (its failure counts: the same batch delivered), but
+    waits 5 minutes at most, as a suspended sink would, not the hour."""
+    receiver = Receiver(lambda r: (500, {"retry-after": "3600"}, b"deploying")
+                        if any(e["aggregate_id"] == "deploying" for e in r.events()) else (200, {}, b""))
+    try:
+        sink = new_sink("webhook", receiver.url, batch_size=20, format="single")
+        shard = conn.execute("SELECT outbox.shard_of('deploying')").fetchone()[0]
+        neighbours = [k for k in (f"deploying-n{i}" for i in range(400))
+                      if conn.execute("SELECT outbox.shard_of(%s)", (k,)).fetchone()[0] == shard][:5]
+        with conn.transaction():   # one batch: its other events deliver, so the sink is healthy
+            for key in ["deploying", *neighbours]:
+                conn.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (key,))
+        wait = wait_for(lambda: conn.execute(
+            "SELECT extract(epoch FROM p.next_attempt_at - now()) FROM outbox._parked p"
+            "  JOIN outbox.consumers c ON c.id = p.consumer_id"
+            " WHERE c.name = %s AND p.aggregate_id = 'deploying' AND p.attempts = 1", (sink,)).fetchone(),
+            timeout=30)[0]  # the first test of a run waits for the worker to start
+        assert 200 < wait <= 300, f"parked for {wait} s: Retry-After honoured up to 5 minutes"
+    finally:
+        receiver.close()
+
+
 def test_admins_pause_and_resume_a_sink_by_hand(conn, new_sink, receiver, cluster, deliver_db):
     sink = new_sink("webhook", receiver.url)
     conn.execute("SELECT outbox.pause_sink(%s)", (sink,))

@@ -279,15 +279,24 @@ pub fn describe(reply: &Reply, what: &str) -> String {
     }
 }
 
-/// Retry-After is seconds or an HTTP date (RFC 9110); nonsense is ignored.
+/// A receiver's Retry-After is honoured up to this: a sink suspended by it is probed again
+/// after at most this long, and a key it parks waits no longer. A receiver mid-deploy that
+/// answers "Retry-After: 3600" to some requests must not hold their keys back for an hour
+/// while the sink delivers everything else.
+pub const RETRY_AFTER_MAX: Duration = Duration::from_secs(300);
+
+/// Retry-After is seconds or an HTTP date (RFC 9110), at most RETRY_AFTER_MAX; nonsense is
+/// ignored.
 pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
-    if let Ok(seconds) = value.parse::<u64>() {
-        return Some(Duration::from_secs(seconds.min(86_400)));
-    }
-    let at = parse_http_date(value)?;
-    let now = now.duration_since(UNIX_EPOCH).ok()?.as_secs();
-    Some(Duration::from_secs(at.saturating_sub(now).min(86_400)))
+    let seconds = match value.parse::<u64>() {
+        Ok(seconds) => seconds,
+        Err(_) => {
+            let now = now.duration_since(UNIX_EPOCH).ok()?.as_secs();
+            parse_http_date(value)?.saturating_sub(now)
+        }
+    };
+    Some(Duration::from_secs(seconds).min(RETRY_AFTER_MAX))
 }
 
 /// IMF-fixdate, e.g. "Sun, 06 Nov 1994 08:49:37 GMT", as seconds since the epoch.
@@ -335,6 +344,11 @@ mod tests {
         assert_eq!(
             parse_retry_after("Sun, 06 Nov 1994 08:00:00 GMT", now),
             Some(Duration::ZERO)
+        );
+        assert_eq!(parse_retry_after("3600", now), Some(RETRY_AFTER_MAX));
+        assert_eq!(
+            parse_retry_after("Mon, 07 Nov 1994 08:49:30 GMT", now),
+            Some(RETRY_AFTER_MAX)
         );
         assert_eq!(parse_retry_after("soon", now), None);
         assert_eq!(parse_retry_after("-1", now), None);

@@ -41,6 +41,7 @@
 //! starts afresh and delivers at once.
 
 use super::pool::Batch;
+use crate::sinks::http::RETRY_AFTER_MAX;
 use crate::sinks::{Outcome, Verdict};
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
@@ -50,9 +51,8 @@ use std::time::{Duration, Instant, SystemTime};
 /// within about 2 s; a probe is one small request, so even a sink down for hours costs little.
 const FIRST_PROBE: Duration = Duration::from_millis(250);
 const MAX_PROBE_DELAY: Duration = Duration::from_secs(2);
-/// A Retry-After is honoured within these bounds.
+/// A Retry-After is honoured within these bounds (the upper one applies to parked keys too).
 const RETRY_AFTER_MIN: Duration = Duration::from_millis(100);
-const RETRY_AFTER_MAX: Duration = Duration::from_secs(300);
 /// A sink throttled partway through a batch gets no new claims for this long, unless it said.
 const SLOW_DOWN: Duration = Duration::from_secs(1);
 /// A probe claims at most this many events, and sends each in a request of its own.
