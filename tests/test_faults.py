@@ -299,6 +299,7 @@ def test_a_late_batch_of_a_sink_dropped_and_made_again_settles_nothing_of_the_ne
 
 SETTLES = ("outbox.settle(text, int, bigint, jsonb), "
            "outbox.settle_and_claim(text, int, bigint, jsonb, int, interval, text, int)")
+RELEASE = "outbox.release(text, int, bigint, interval)"
 
 
 def test_a_settle_that_fails_is_tried_again_not_left_to_its_lease(faulty):
@@ -326,6 +327,77 @@ def test_a_settle_that_fails_is_tried_again_not_left_to_its_lease(faulty):
     finally:
         with connect(faulty) as conn:
             conn.execute(f"GRANT EXECUTE ON FUNCTION {SETTLES} TO outbox_relay")
+        receiver.close()
+
+
+def test_a_batch_back_after_its_sink_was_paused_is_settled_though_settling_fails_a_while(faulty):
+    """A batch comes back after its sink was paused (the worker no longer has the sink), while
+    settling fails (EXECUTE on settle revoked for 2 s): its settle is tried again, so that the
+    sink, resumed, does not send the batch again. Dropped, the batch stayed leased, and the
+    resumed sink took its lease back and sent it again."""
+    gate = Gate()
+    receiver = Receiver(gate.answer)
+    try:
+        with connect(faulty) as conn:
+            sink = webhook(conn, receiver.url + "/paused", batch_size=10, concurrency=1)
+            with conn.transaction():
+                emitted = {"paused": [conn.execute("SELECT outbox.emit('order', 'paused', 'e', '{}')::text")
+                                      .fetchone()[0] for _ in range(5)]}
+            [(_, out)] = gate.held("/paused", 1)
+            conn.execute("SELECT outbox.pause_sink(%s)", (sink,))
+            conn.execute(f"REVOKE EXECUTE ON FUNCTION {SETTLES} FROM outbox_relay")
+            time.sleep(1.5)                        # the worker reads the pause
+            gate.let_all_through()                 # the batch comes back: its settle fails
+            time.sleep(2)
+            conn.execute(f"GRANT EXECUTE ON FUNCTION {SETTLES} TO outbox_relay")
+            time.sleep(1.5)                        # the retry settles it
+            conn.execute("SELECT outbox.resume_sink(%s)", (sink,))
+            time.sleep(2)
+            check_delivery(emitted, receiver.accepted_events(), max_duplicates=0)
+    finally:
+        gate.let_all_through()
+        with connect(faulty) as conn:
+            conn.execute(f"GRANT EXECUTE ON FUNCTION {SETTLES} TO outbox_relay")
+        receiver.close()
+
+
+def test_a_probe_given_back_for_new_settings_is_given_back_though_that_fails_a_while(faulty):
+    """A fix of a suspended sink's row gives its probe out back (outbox.release) while that
+    fails (EXECUTE on release revoked for 2 s): the give-back is tried again, and the new
+    settings deliver the events as soon as it commits. Dropped, the shard stayed leased until
+    its lease ran out (5 minutes)."""
+    phase = ["failing"]
+    held, done = threading.Event(), threading.Event()
+
+    def answer(request: Request):
+        if phase[0] == "failing":
+            return 503, {}, b"deploying"
+        if phase[0] == "holding":
+            phase[0] = "open"
+            held.set()
+            done.wait(30)
+            return 503, {}, b"deploying"
+        return 200, {}, b""
+    receiver = Receiver(answer)
+    try:
+        with connect(faulty) as conn:
+            sink = webhook(conn, receiver.url, batch_size=20, request_timeout="20 s")
+            emitted = emit_keys(conn, keys=1, per_key=5, prefix="given-back")
+            wait_for(lambda: conn.execute("SELECT sink_state FROM outbox.status WHERE consumer = %s",
+                                          (sink,)).fetchone()[0] == "suspended", timeout=10)
+            phase[0] = "holding"
+            assert held.wait(10), "a probe is out"
+            conn.execute(f"REVOKE EXECUTE ON FUNCTION {RELEASE} FROM outbox_relay")
+            conn.execute("UPDATE outbox.sinks SET request_timeout = '19 s' WHERE name = %s", (sink,))
+            time.sleep(2)
+            assert receiver.accepted_events() == [], "the shard is held while it cannot be given back"
+            conn.execute(f"GRANT EXECUTE ON FUNCTION {RELEASE} TO outbox_relay")
+            wait_for(lambda: len(receiver.accepted_events()) >= 5, timeout=5)
+            check_delivery(emitted, receiver.accepted_events())
+    finally:
+        done.set()
+        with connect(faulty) as conn:
+            conn.execute(f"GRANT EXECUTE ON FUNCTION {RELEASE} TO outbox_relay")
         receiver.close()
 
 

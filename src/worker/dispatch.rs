@@ -53,14 +53,17 @@ struct Sink {
     logged_error: Option<(String, Instant)>,
 }
 
-/// A batch whose settle failed (a deadlock, a lock or statement timeout, a privilege revoked by
-/// mistake): its settle is tried again every SETTLE_RETRY while its lease lasts, and it keeps
-/// its slot meanwhile. Left to its lease, its shard would stall until the lease ran out (5
-/// minutes by default) and then go out again, a duplicate of every event in it.
+/// A batch whose settle or give-back failed (a deadlock, a lock or statement timeout, a
+/// privilege revoked by mistake): tried again every SETTLE_RETRY while its lease lasts, and it
+/// keeps its slot meanwhile. Left to its lease, its shard would stall until the lease ran out
+/// (5 minutes by default) and then go out again, a duplicate of every event in it.
 struct Unsettled {
     batch: Batch,
     judgement: Judgement,
     next_try: Instant,
+    /// Given up on while out (Pool::abandon): its lease is given back, and it holds no slot
+    /// and makes no figures.
+    abandoned: bool,
 }
 
 pub struct Delivery {
@@ -100,14 +103,11 @@ impl Delivery {
         let mut until = deadline.min(now + POLL).min(self.next_flush);
         // a time already past was acted on by the last round (or waits for a batch out, whose
         // end wakes us): taken as a deadline, it made every wait 1 ms for as long as it lasted
-        for sink in self.sinks.values() {
-            for t in [sink.health.wake_at(), sink.claim_retry_at]
-                .into_iter()
-                .flatten()
-                .filter(|t| *t > now)
-            {
-                until = until.min(t);
-            }
+        let sinks = self.sinks.values();
+        let times = sinks.flat_map(|sink| [sink.health.wake_at(), sink.claim_retry_at]);
+        let retries = self.unsettled.iter().map(|u| Some(u.next_try));
+        for t in times.chain(retries).flatten().filter(|t| *t > now) {
+            until = until.min(t);
         }
         let timeout = until.saturating_duration_since(now).as_millis().max(1);
         let events = pg_sys::WL_LATCH_SET
@@ -224,6 +224,7 @@ impl Delivery {
                 // keep what the last claim learned of event sizes (a reload must not send one
                 // claim of batch_size big events); the next claim adapts to a new batch_size
                 sink.batch_limit = sink.batch_limit.min(client.config.batch_size);
+                let old_consumer = sink.client.config.consumer_id;
                 sink.client = client;
                 sink.stamp = row.stamp;
                 sink.claim_retry_at = None;
@@ -233,9 +234,26 @@ impl Delivery {
                     // settings are tried on them at once (the old client's request out,
                     // delivered late, is a duplicate, after the new client's copy or before it;
                     // it starts no further request of them)
-                    for (shard, epoch) in self.pool.abandon(&name) {
-                        if let Err(e) = queries::release(&name, shard, epoch) {
+                    for gone in self.pool.abandon(&name) {
+                        let batch = Batch {
+                            sink: name.clone(),
+                            consumer_id: old_consumer,
+                            shard: gone.shard,
+                            epoch: gone.epoch,
+                            deadline: gone.deadline,
+                            events: Vec::new(),
+                        };
+                        let judgement = Judgement::GiveBack {
+                            error: "given back for the sink's new settings".into(),
+                        };
+                        if let Err(e) = queries::settle(&batch, &judgement) {
                             warning!("outbox_ext: sink \"{name}\": giving back a probe: {e}");
+                            self.unsettled.push(Unsettled {
+                                batch,
+                                judgement,
+                                next_try: Instant::now() + SETTLE_RETRY,
+                                abandoned: true,
+                            });
                         }
                     }
                 }
@@ -247,9 +265,11 @@ impl Delivery {
             }
             None => {
                 // a dead worker's leases (at start); never those of batches this worker still
-                // has out (the sink was disabled and enabled again meanwhile): taken back, they
-                // could be claimed again and overtake the copy still out
-                if self.pool.in_flight(&name) == 0 {
+                // has out or has yet to settle (the sink was disabled and enabled again
+                // meanwhile): taken back, they could be claimed again and overtake the copy
+                // still out, or go out again though delivered
+                let settling = self.unsettled.iter().any(|u| u.batch.sink == name);
+                if self.pool.in_flight(&name) == 0 && !settling {
                     if let Err(e) = queries::take_back_leases(&name) {
                         warning!("outbox_ext: sink \"{name}\": taking back leases: {e}");
                     }
@@ -363,11 +383,18 @@ impl Delivery {
         let Some(sink) = self.sinks.get_mut(&done.batch.sink) else {
             // disabled (or dropped) while the batch was out: still record what became of it,
             // so that it is not sent again when the sink comes back (a dropped sink's
-            // consumer is gone: nothing is settled, see queries::claimed_for); its failures are
+            // consumer is gone: nothing is settled, see queries::CLAIMED_FOR); its failures are
             // not judged (no sink to judge them by): given back, unless something went through
             let judgement = Health::default().judge(&done.batch, done.outcome, done.started);
-            let _ = queries::settle(&done.batch, &judgement);
             self.pool.forget(&done.batch.sink);
+            if queries::settle(&done.batch, &judgement).is_err() {
+                self.unsettled.push(Unsettled {
+                    batch: done.batch,
+                    judgement,
+                    next_try: Instant::now() + SETTLE_RETRY,
+                    abandoned: true, // its slot is gone with its sink
+                });
+            }
             return;
         };
         if let Some(metrics) = &self.metrics {
@@ -431,6 +458,7 @@ impl Delivery {
                     batch: done.batch,
                     judgement,
                     next_try: Instant::now() + SETTLE_RETRY,
+                    abandoned: false,
                 });
             }
         }
@@ -449,6 +477,20 @@ impl Delivery {
             if result.is_err() && now < u.batch.deadline {
                 u.next_try = now + SETTLE_RETRY;
                 self.unsettled.push(u);
+                continue;
+            }
+            if u.abandoned {
+                if let Err(e) = result {
+                    warning!(
+                        "outbox_ext: sink \"{}\": giving back a batch of shard {} failed until \
+                         its lease nearly ran out; it goes out again once it has: {e}",
+                        u.batch.sink,
+                        u.batch.shard
+                    );
+                }
+                if !self.sinks.contains_key(&u.batch.sink) {
+                    self.pool.forget(&u.batch.sink); // disabled or dropped
+                }
                 continue;
             }
             self.pool.settling(&u.batch.sink);

@@ -48,11 +48,19 @@ struct Job {
     given_up: Arc<AtomicBool>,
 }
 
-/// A batch out: its shard and epoch, and its job's given_up.
+/// A batch out: its shard, epoch and deadline, and its job's given_up.
 struct Out {
     shard: i32,
     epoch: i64,
+    deadline: Instant,
     given_up: Arc<AtomicBool>,
+}
+
+/// A batch given up on while out (Pool::abandon): what giving its lease back needs.
+pub struct Abandoned {
+    pub shard: i32,
+    pub epoch: i64,
+    pub deadline: Instant,
 }
 
 pub struct Pool {
@@ -135,6 +143,7 @@ impl Pool {
         let out = Out {
             shard: batch.shard,
             epoch: batch.epoch,
+            deadline: batch.deadline,
             given_up: Arc::clone(&given_up),
         };
         sink.out.insert(ticket, out);
@@ -164,9 +173,9 @@ impl Pool {
     /// Gives up on a sink's batches out: their outcome, whenever it comes, is dropped, they
     /// no longer count against its concurrency (new batches get threads of their own while
     /// they hold theirs), and their threads start no further request of them (a batch sent in
-    /// several requests stops after the one out). Returns them, (shard, epoch), for their
-    /// leases to be given back.
-    pub fn abandon(&mut self, sink: &str) -> Vec<(i32, i64)> {
+    /// several requests stops after the one out). Returns them, for their leases to be given
+    /// back.
+    pub fn abandon(&mut self, sink: &str) -> Vec<Abandoned> {
         let Some(threads) = self.sinks.get_mut(sink) else {
             return Vec::new();
         };
@@ -177,7 +186,11 @@ impl Pool {
         out.into_iter()
             .map(|(_, out)| {
                 out.given_up.store(true, Ordering::Relaxed);
-                (out.shard, out.epoch)
+                Abandoned {
+                    shard: out.shard,
+                    epoch: out.epoch,
+                    deadline: out.deadline,
+                }
             })
             .collect()
     }
