@@ -34,6 +34,28 @@ CREATE TABLE IF NOT EXISTS outbox._shards (
     PRIMARY KEY (consumer_id, shard)
 );
 
+-- Refuses a transaction at REPEATABLE READ or SERIALIZABLE (25000): what locks a shard (or a
+-- consumer's shards) must then read what others committed before it got the lock, which a
+-- snapshot taken before the lock does not show. A claim would hand out a batch another relay
+-- holds, under the same epoch, and two relays would deliver the same key at once.
+CREATE OR REPLACE FUNCTION outbox_internal._check_read_committed(what text) RETURNS void
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    IF pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable') THEN
+        RAISE EXCEPTION '% must run at READ COMMITTED, not %', what,
+                pg_catalog.upper(pg_catalog.current_setting('transaction_isolation'))
+            USING ERRCODE = 'invalid_transaction_state',
+                  DETAIL = 'It locks shards and then reads what other relays committed, which a '
+                           'snapshot taken before the lock does not show.',
+                  HINT = 'Call it in a READ COMMITTED transaction (the default isolation level), '
+                         'e.g. after SET default_transaction_isolation = ''read committed''.';
+    END IF;
+END
+$$;
+
+-- A consumer by name, for the API functions that lock its shards: claims, settles,
+-- give-backs and replays (at READ COMMITTED only, see _check_read_committed).
 CREATE OR REPLACE FUNCTION outbox_internal._consumer(name text) RETURNS outbox.consumers
     LANGUAGE plpgsql VOLATILE
 AS $$
@@ -41,6 +63,7 @@ DECLARE
     c outbox.consumers;
 BEGIN
     PERFORM outbox_internal._not_null(name IS NULL, 'consumer', 'the function');
+    PERFORM outbox_internal._check_read_committed('claims, settles, releases and replays');
     PERFORM outbox_internal._rebase_if_restored();
     SELECT * INTO c FROM outbox.consumers WHERE consumers.name = _consumer.name;
     IF NOT FOUND THEN
@@ -177,12 +200,7 @@ BEGIN
     PERFORM outbox_internal._not_null(name IS NULL, 'name', 'outbox.drop_consumer');
     -- The deletes below must see the rows relays commit while the drop waits for their shards:
     -- with a snapshot taken before, those would be left behind.
-    IF pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable') THEN
-        RAISE EXCEPTION 'outbox.drop_consumer must run at READ COMMITTED, not %',
-                pg_catalog.upper(pg_catalog.current_setting('transaction_isolation'))
-            USING ERRCODE = 'invalid_transaction_state',
-                  HINT = 'Call it in a READ COMMITTED transaction (the default isolation level).';
-    END IF;
+    PERFORM outbox_internal._check_read_committed('outbox.drop_consumer');
     -- Its shards first, in order, as claims and settles take them before they write a cursor
     -- row: the drop waits for a claim or a settle under way, then deletes what no one holds.
     PERFORM FROM outbox._shards s WHERE s.consumer_id = c_id ORDER BY s.shard FOR UPDATE;

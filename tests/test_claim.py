@@ -695,6 +695,42 @@ def test_drop_consumer_refuses_a_snapshot_older_than_its_locks(db, connect, cons
     conn.commit()
 
 
+def test_a_claim_at_repeatable_read_cannot_take_a_batch_another_relay_holds(db, connect, consumer):
+    """A claim locks a free shard, then reads its cursor. At REPEATABLE READ that read used a
+    snapshot taken before the lock: a claim committed in between did not show, and the same
+    batch went out again under the same epoch. Claims, settles, releases and replays refuse
+    REPEATABLE READ and SERIALIZABLE (25000); the other relay's batch stays its own."""
+    for i in range(5):
+        emit(db, "k", payload={"i": i})
+    late = connect(autocommit=False)
+    late.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    late.execute("SELECT 1")                              # its snapshot, before the other's claim
+    taken = db.execute("SELECT shard, epoch FROM outbox.claim(%s, 100)", (consumer,)).fetchall()
+    assert len(taken) == 5
+    with pytest.raises(psycopg.errors.InvalidTransactionState, match="READ COMMITTED"):
+        late.execute("SELECT * FROM outbox.claim(%s, 100)", (consumer,)).fetchall()
+    late.rollback()
+    shard, epoch = taken[0]
+    calls = {
+        "claim": ("SELECT count(*) FROM outbox.claim(%s, 100)", (consumer,)),
+        "settle": ("SELECT outbox.settle(%s, %s, %s, '[]')", (consumer, shard, epoch)),
+        "settle_and_claim": ("SELECT count(*) FROM outbox.settle_and_claim(%s, %s, %s, '[]')",
+                             (consumer, shard, epoch)),
+        "ack": ("SELECT outbox.ack(%s, %s, %s)", (consumer, shard, epoch)),
+        "release": ("SELECT outbox.release(%s, %s, %s)", (consumer, shard, epoch)),
+        "release_owner": ("SELECT outbox.release_owner(%s, 'someone')", (consumer,)),
+        "replay": ("SELECT outbox.replay(%s)", (consumer,)),
+    }
+    for level in ("REPEATABLE READ", "SERIALIZABLE"):
+        for name, (sql, args) in calls.items():
+            conn = connect(autocommit=False)
+            conn.execute(f"SET TRANSACTION ISOLATION LEVEL {level}")
+            with pytest.raises(psycopg.errors.InvalidTransactionState, match="READ COMMITTED"):
+                conn.execute(sql, args)
+            conn.rollback()
+    assert db.execute("SELECT outbox.settle(%s, %s, %s, '[]')", (consumer, shard, epoch)).fetchone() is not None
+
+
 def test_replay_refuses_a_consumer_dropped_while_it_waited(db, connect, consumer):
     """A replay that found the consumer, then waited for its shards while it was dropped and
     made again under the same name, would queue the new consumer's dead letters under the old

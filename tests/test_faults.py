@@ -401,6 +401,37 @@ def test_a_probe_given_back_for_new_settings_is_given_back_though_that_fails_a_w
         receiver.close()
 
 
+def restart_worker(cluster) -> None:
+    """Terminates the worker and waits for the launcher to start a new one."""
+    pid = wait_for(lambda: cluster.worker_pid(DB))
+    with connect(cluster) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    wait_for(lambda: cluster.worker_pid(DB) not in (None, pid), timeout=30)
+
+
+def test_a_database_set_to_serializable_still_delivers(faulty):
+    """Some teams make SERIALIZABLE the default of a whole database. Claims and settles refuse
+    it (25000: their reads after a lock need READ COMMITTED), so the worker pins its own
+    session to READ COMMITTED and delivers as before."""
+    receiver = Receiver()
+    try:
+        with connect(faulty) as conn:
+            conn.execute(f"ALTER DATABASE {DB} SET default_transaction_isolation = 'serializable'")
+        restart_worker(faulty)                     # a new session, with the database's default
+        with connect(faulty) as conn:
+            assert conn.execute("SHOW default_transaction_isolation").fetchone()[0] == "serializable"
+            conn.execute("SET default_transaction_isolation = 'read committed'")
+            webhook(conn, receiver.url, batch_size=10)
+            emitted = emit_keys(conn, keys=5, per_key=3, prefix="serializable")
+            wait_for(lambda: len(receiver.accepted_events()) >= 15, timeout=15)
+            check_delivery(emitted, receiver.accepted_events())
+    finally:
+        with connect(faulty) as conn:
+            conn.execute(f"ALTER DATABASE {DB} RESET default_transaction_isolation")
+        restart_worker(faulty)
+        receiver.close()
+
+
 def refusing(key: str) -> Receiver:
     """A receiver that answers 500 to any request holding an event of `key`."""
     return Receiver(lambda r: (500, {}, b"cannot handle this one")

@@ -6,7 +6,8 @@
 //! nothing else. Its search_path is `pg_catalog, pg_temp` for the whole session, set after
 //! connecting so that no `ALTER DATABASE/ROLE ... SET search_path` applies: its statements
 //! resolve only pg_catalog and the schemas they name (operators and functions are never looked
-//! up in pg_temp), so no role with CREATE on some schema can plant code for it to run.
+//! up in pg_temp), so no role with CREATE on some schema can plant code for it to run. Its
+//! transactions are READ COMMITTED the same way (PINNED).
 //!
 //! - PostgreSQL 17 and later connect as the role directly (`BGWORKER_BYPASS_ROLELOGINCHECK`:
 //!   no LOGIN needed).
@@ -45,23 +46,30 @@ pub fn unrestrict() {
     }
 }
 
-/// What the worker's statements resolve names in.
-const SEARCH_PATH: &std::ffi::CStr = c"pg_catalog, pg_temp";
+/// The settings the worker's session pins, whatever `ALTER DATABASE/ROLE ... SET` says: what
+/// its statements resolve names in, and READ COMMITTED, at which alone claims and settles may
+/// run (a database set to SERIALIZABLE would otherwise stop every delivery with 25000).
+const PINNED: [(&std::ffi::CStr, &std::ffi::CStr); 2] = [
+    (c"search_path", c"pg_catalog, pg_temp"),
+    (c"default_transaction_isolation", c"read committed"),
+];
 
-/// Connects the worker to `db` as `role` and pins its search_path.
+/// Connects the worker to `db` as `role` and pins its settings (PINNED).
 pub fn connect(db: &str, role: &str) {
     let db = CString::new(db).unwrap_or_default();
     let role = CString::new(role).unwrap_or_default();
     connect_as(&db, &role);
-    // SAFETY: connected, on the worker's main thread, between transactions; the name and value
-    // are static C strings (a value the setting refuses raises).
-    unsafe {
-        pg_sys::SetConfigOption(
-            c"search_path".as_ptr(),
-            SEARCH_PATH.as_ptr(),
-            pg_sys::GucContext::PGC_SUSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-        );
+    for (name, value) in PINNED {
+        // SAFETY: connected, on the worker's main thread, between transactions; the name and
+        // value are static C strings (a value the setting refuses raises).
+        unsafe {
+            pg_sys::SetConfigOption(
+                name.as_ptr(),
+                value.as_ptr(),
+                pg_sys::GucContext::PGC_SUSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+            );
+        }
     }
     warn_if_superuser();
     RESTRICTED.store(true, Ordering::Relaxed);
