@@ -401,6 +401,36 @@ def test_a_probe_given_back_for_new_settings_is_given_back_though_that_fails_a_w
         receiver.close()
 
 
+def test_a_shard_claimed_only_to_look_is_given_back_though_that_fails_a_while(faulty):
+    """A suspended sink's probe holding one key's events makes the worker claim another shard,
+    only to see whether there is more to send, and give it back at once. That give-back
+    failing (EXECUTE on release revoked for 2 s) is tried again: once the sink is back, both
+    keys are delivered at once. Dropped, the other shard stayed leased (5 minutes)."""
+    healed = threading.Event()
+    receiver = Receiver(lambda r: (200, {}, b"") if healed.is_set() else (503, {}, b"deploying"))
+    try:
+        with connect(faulty) as conn:
+            sink = webhook(conn, receiver.url, batch_size=20)
+            first = conn.execute("SELECT outbox.shard_of('look-a')").fetchone()[0]
+            other = next(k for k in (f"look-b{i}" for i in range(100))
+                         if conn.execute("SELECT outbox.shard_of(%s)", (k,)).fetchone()[0] != first)
+            with conn.transaction():
+                emitted = {k: [conn.execute("SELECT outbox.emit('order', %s, 'e', '{}')::text", (k,)).fetchone()[0]]
+                           for k in ("look-a", other)}
+            wait_for(lambda: conn.execute("SELECT sink_state FROM outbox.status WHERE consumer = %s",
+                                          (sink,)).fetchone()[0] == "suspended", timeout=10)
+            conn.execute(f"REVOKE EXECUTE ON FUNCTION {RELEASE} FROM outbox_relay")
+            time.sleep(2.5)                        # a probe, and a look at the other shard
+            conn.execute(f"GRANT EXECUTE ON FUNCTION {RELEASE} TO outbox_relay")
+            healed.set()
+            wait_for(lambda: len(receiver.accepted_events()) >= 2, timeout=8)
+            check_delivery(emitted, receiver.accepted_events())
+    finally:
+        with connect(faulty) as conn:
+            conn.execute(f"GRANT EXECUTE ON FUNCTION {RELEASE} TO outbox_relay")
+        receiver.close()
+
+
 def restart_worker(cluster) -> None:
     """Terminates the worker and waits for the launcher to start a new one."""
     pid = wait_for(lambda: cluster.worker_pid(DB))

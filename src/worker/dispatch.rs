@@ -55,14 +55,15 @@ struct Sink {
 
 /// A batch whose settle or give-back failed (a deadlock, a lock or statement timeout, a
 /// privilege revoked by mistake): tried again every SETTLE_RETRY while its lease lasts, and it
-/// keeps its slot meanwhile. Left to its lease, its shard would stall until the lease ran out
-/// (5 minutes by default) and then go out again, a duplicate of every event in it.
+/// keeps its slot meanwhile (unless `abandoned`). Left to its lease, its shard would stall
+/// until the lease ran out (5 minutes by default) and then go out again, a duplicate of every
+/// event in it.
 struct Unsettled {
     batch: Batch,
     judgement: Judgement,
     next_try: Instant,
-    /// Given up on while out (Pool::abandon): its lease is given back, and it holds no slot
-    /// and makes no figures.
+    /// Holds no slot and makes no figures: given up on while out (Pool::abandon), claimed only
+    /// to look (nothing_else_to_claim), or of a sink gone (until it comes back).
     abandoned: bool,
 }
 
@@ -224,7 +225,6 @@ impl Delivery {
                 // keep what the last claim learned of event sizes (a reload must not send one
                 // claim of batch_size big events); the next claim adapts to a new batch_size
                 sink.batch_limit = sink.batch_limit.min(client.config.batch_size);
-                let old_consumer = sink.client.config.consumer_id;
                 sink.client = client;
                 sink.stamp = row.stamp;
                 sink.claim_retry_at = None;
@@ -237,23 +237,17 @@ impl Delivery {
                     for gone in self.pool.abandon(&name) {
                         let batch = Batch {
                             sink: name.clone(),
-                            consumer_id: old_consumer,
+                            consumer_id: gone.consumer_id,
                             shard: gone.shard,
                             epoch: gone.epoch,
                             deadline: gone.deadline,
                             events: Vec::new(),
                         };
-                        let judgement = Judgement::GiveBack {
+                        let back = Judgement::GiveBack {
                             error: "given back for the sink's new settings".into(),
                         };
-                        if let Err(e) = queries::settle(&batch, &judgement) {
+                        if let Some(e) = settle_unheld(&mut self.unsettled, batch, back) {
                             warning!("outbox_ext: sink \"{name}\": giving back a probe: {e}");
-                            self.unsettled.push(Unsettled {
-                                batch,
-                                judgement,
-                                next_try: Instant::now() + SETTLE_RETRY,
-                                abandoned: true,
-                            });
                         }
                     }
                 }
@@ -273,6 +267,13 @@ impl Delivery {
                     if let Err(e) = queries::take_back_leases(&name) {
                         warning!("outbox_ext: sink \"{name}\": taking back leases: {e}");
                     }
+                }
+                // the sink is back: a batch of it still to settle holds a slot of it again, so
+                // that no more than `concurrency` batches are at risk of going out twice
+                for u in (self.unsettled.iter_mut()).filter(|u| u.abandoned && u.batch.sink == name)
+                {
+                    u.abandoned = false;
+                    self.pool.settle_failed(&name);
                 }
                 if let Some(metrics) = &self.metrics {
                     metrics.set_health(&name, &Health::default());
@@ -328,8 +329,12 @@ impl Delivery {
                         let all_there_is = batches.len() < shards as usize;
                         for batch in batches {
                             if probe {
-                                let lone =
-                                    one_key(&batch) && nothing_else_to_claim(config, &sink.stamp);
+                                let lone = one_key(&batch)
+                                    && nothing_else_to_claim(
+                                        config,
+                                        &sink.stamp,
+                                        &mut self.unsettled,
+                                    );
                                 sink.health.probe_sent(&batch, lone);
                             } else {
                                 (sink.batch_limit, sink.claim_shards) =
@@ -387,14 +392,7 @@ impl Delivery {
             // not judged (no sink to judge them by): given back, unless something went through
             let judgement = Health::default().judge(&done.batch, done.outcome, done.started);
             self.pool.forget(&done.batch.sink);
-            if queries::settle(&done.batch, &judgement).is_err() {
-                self.unsettled.push(Unsettled {
-                    batch: done.batch,
-                    judgement,
-                    next_try: Instant::now() + SETTLE_RETRY,
-                    abandoned: true, // its slot is gone with its sink
-                });
-            }
+            settle_unheld(&mut self.unsettled, done.batch, judgement);
             return;
         };
         if let Some(metrics) = &self.metrics {
@@ -646,24 +644,40 @@ fn one_key(batch: &Batch) -> bool {
 
 /// Whether the sink has nothing to claim but the probe it holds (a second claim cannot take
 /// the probe's shard, leased, and finds nothing). What it finds is given back at once.
-fn nothing_else_to_claim(config: &Config, stamp: &str) -> bool {
+fn nothing_else_to_claim(config: &Config, stamp: &str, unsettled: &mut Vec<Unsettled>) -> bool {
     match queries::claim(config, stamp, 1, lease(config), 1).map(|mut b| b.pop()) {
         Ok(None) => true,
         Ok(Some(other)) => {
+            let shard = other.shard;
             let back = Judgement::GiveBack {
                 error: "claimed only to see that there is more than the probe".into(),
             };
-            if let Err(e) = queries::settle(&other, &back) {
-                warning!(
-                    "outbox_ext: sink \"{}\": giving back shard {}: {e}",
-                    config.name,
-                    other.shard
-                );
+            if let Some(e) = settle_unheld(unsettled, other, back) {
+                let name = &config.name;
+                warning!("outbox_ext: sink \"{name}\": giving back shard {shard}: {e}");
             }
             false
         }
         Err(_) => false,
     }
+}
+
+/// Settles (or gives back) a batch that holds no slot: one given up on while out, claimed only
+/// to look, or of a sink gone. One that fails is tried again (Unsettled) rather than left to
+/// its lease; the error is returned.
+fn settle_unheld(
+    unsettled: &mut Vec<Unsettled>,
+    batch: Batch,
+    judgement: Judgement,
+) -> Option<String> {
+    let error = queries::settle(&batch, &judgement).err()?;
+    unsettled.push(Unsettled {
+        batch,
+        judgement,
+        next_try: Instant::now() + SETTLE_RETRY,
+        abandoned: true,
+    });
+    Some(error)
 }
 
 #[cfg(test)]

@@ -51,7 +51,8 @@ use std::time::{Duration, Instant, SystemTime};
 /// within about 2 s; a probe is one small request, so even a sink down for hours costs little.
 const FIRST_PROBE: Duration = Duration::from_millis(250);
 const MAX_PROBE_DELAY: Duration = Duration::from_secs(2);
-/// A Retry-After is honoured within these bounds (the upper one applies to parked keys too).
+/// A suspended sink's Retry-After is honoured from this on, up to RETRY_AFTER_MAX (which
+/// parked keys get too).
 const RETRY_AFTER_MIN: Duration = Duration::from_millis(100);
 /// A sink throttled partway through a batch gets no new claims for this long, unless it said.
 const SLOW_DOWN: Duration = Duration::from_secs(1);

@@ -48,16 +48,16 @@ struct Job {
     given_up: Arc<AtomicBool>,
 }
 
-/// A batch out: its shard, epoch and deadline, and its job's given_up.
+/// A batch out: what giving its lease back needs, and its job's given_up.
 struct Out {
-    shard: i32,
-    epoch: i64,
-    deadline: Instant,
+    batch: Abandoned,
     given_up: Arc<AtomicBool>,
 }
 
 /// A batch given up on while out (Pool::abandon): what giving its lease back needs.
 pub struct Abandoned {
+    /// The consumer it was claimed for (the sink may be another one by now).
+    pub consumer_id: i32,
     pub shard: i32,
     pub epoch: i64,
     pub deadline: Instant,
@@ -125,25 +125,18 @@ impl Pool {
     /// Hands the batch to one of its sink's threads, starting one if all are busy. A probe
     /// (of a suspended sink) sends each event in a request of its own.
     pub fn submit(&mut self, client: Arc<Client>, batch: Batch, probe: bool) {
-        let sink = self.sinks.entry(batch.sink.clone()).or_insert_with(|| {
-            let (jobs, queue) = channel();
-            SinkThreads {
-                jobs,
-                queue: Arc::new(Mutex::new(queue)),
-                threads: 0,
-                in_flight: 0,
-                out: HashMap::new(),
-                abandoned: 0,
-            }
-        });
+        let sink = threads(&mut self.sinks, &batch.sink);
         self.next_ticket += 1;
         let ticket = self.next_ticket;
         sink.in_flight += 1;
         let given_up = Arc::new(AtomicBool::new(false));
         let out = Out {
-            shard: batch.shard,
-            epoch: batch.epoch,
-            deadline: batch.deadline,
+            batch: Abandoned {
+                consumer_id: batch.consumer_id,
+                shard: batch.shard,
+                epoch: batch.epoch,
+                deadline: batch.deadline,
+            },
             given_up: Arc::clone(&given_up),
         };
         sink.out.insert(ticket, out);
@@ -186,11 +179,7 @@ impl Pool {
         out.into_iter()
             .map(|(_, out)| {
                 out.given_up.store(true, Ordering::Relaxed);
-                Abandoned {
-                    shard: out.shard,
-                    epoch: out.epoch,
-                    deadline: out.deadline,
-                }
+                out.batch
             })
             .collect()
     }
@@ -214,12 +203,10 @@ impl Pool {
         done
     }
 
-    /// The settle written after Pool::settling failed: the batch holds its slot again until a
-    /// retry commits (or is given up).
+    /// The settle written after Pool::settling failed (or a sink back whose batch is still to
+    /// settle): the batch holds a slot until a retry commits (or is given up).
     pub fn settle_failed(&mut self, sink: &str) {
-        if let Some(sink) = self.sinks.get_mut(sink) {
-            sink.in_flight += 1;
-        }
+        threads(&mut self.sinks, sink).in_flight += 1;
     }
 
     /// A finished batch's settle is being written: its slot is free to a claim in the same
@@ -229,6 +216,21 @@ impl Pool {
             sink.in_flight = sink.in_flight.saturating_sub(1);
         }
     }
+}
+
+/// A sink's threads, queue and counts, made empty at first use.
+fn threads<'a>(sinks: &'a mut HashMap<String, SinkThreads>, sink: &str) -> &'a mut SinkThreads {
+    sinks.entry(sink.to_owned()).or_insert_with(|| {
+        let (jobs, queue) = channel();
+        SinkThreads {
+            jobs,
+            queue: Arc::new(Mutex::new(queue)),
+            threads: 0,
+            in_flight: 0,
+            out: HashMap::new(),
+            abandoned: 0,
+        }
+    })
 }
 
 /// Starts a delivery thread on `queue`; false if none could be started (the batch then waits

@@ -414,7 +414,8 @@ pub fn settle(batch: &Batch, judgement: &Judgement) -> Result<Settled, String> {
 /// One dropped and made again under its name is another, with leases and epochs of its own: a
 /// late settle of the old one's batch could take the new one's batch at the same shard and
 /// epoch for settled (its events then lost). The old one's batch is nobody's now: nothing to
-/// settle or give back. In the statement that settles, so that both see the same consumers.
+/// settle or give back. Asked in the statement that settles or gives back: one statement, not
+/// two.
 const CLAIMED_FOR: &str = "SELECT FROM outbox.consumers k
      WHERE k.name OPERATOR(pg_catalog.=) $1 AND k.id OPERATOR(pg_catalog.=) $2";
 
