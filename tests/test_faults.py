@@ -431,14 +431,6 @@ def test_a_shard_claimed_only_to_look_is_given_back_though_that_fails_a_while(fa
         receiver.close()
 
 
-def restart_worker(cluster) -> None:
-    """Terminates the worker and waits for the launcher to start a new one."""
-    pid = wait_for(lambda: cluster.worker_pid(DB))
-    with connect(cluster) as conn:
-        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    wait_for(lambda: cluster.worker_pid(DB) not in (None, pid), timeout=30)
-
-
 def test_a_database_set_to_serializable_still_delivers(faulty):
     """Some teams make SERIALIZABLE the default of a whole database. Claims and settles refuse
     it (25000: their reads after a lock need READ COMMITTED), so the worker pins its own
@@ -447,7 +439,7 @@ def test_a_database_set_to_serializable_still_delivers(faulty):
     try:
         with connect(faulty) as conn:
             conn.execute(f"ALTER DATABASE {DB} SET default_transaction_isolation = 'serializable'")
-        restart_worker(faulty)                     # a new session, with the database's default
+        faulty.restart_worker(DB)                  # a new session, with the database's default
         with connect(faulty) as conn:
             assert conn.execute("SHOW default_transaction_isolation").fetchone()[0] == "serializable"
             conn.execute("SET default_transaction_isolation = 'read committed'")
@@ -458,7 +450,7 @@ def test_a_database_set_to_serializable_still_delivers(faulty):
     finally:
         with connect(faulty) as conn:
             conn.execute(f"ALTER DATABASE {DB} RESET default_transaction_isolation")
-        restart_worker(faulty)
+        faulty.restart_worker(DB)
         receiver.close()
 
 

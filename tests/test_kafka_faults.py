@@ -170,7 +170,7 @@ def test_two_brokers_of_three_down_the_sink_waits_and_resumes(conn, cluster, del
         during = emit_keys(conn, topic, keys=5, per_key=3, prefix="b")
         suspended(conn, sink, timeout=60)
         terminated_at = conn.execute("SELECT now()").fetchone()[0]
-        terminate_worker(conn, cluster, deliver_db)
+        cluster.restart_worker(deliver_db)
         suspended(conn, sink, timeout=60, since=terminated_at)   # the successor's own judgement
         time.sleep(3)
         assert status(conn, sink)["dead_letters"] == 0
@@ -220,15 +220,6 @@ def all_arrive_in_order(conn, kafka, sink: str, topic: str, sent: dict, max_dupl
     assert status(conn, sink)["dead_letters"] == 0
 
 
-def terminate_worker(conn, cluster, deliver_db) -> None:
-    """pg_terminate_backend of deliver_db's worker, batches in flight, and wait for its
-    successor. (A SIGKILL would restart every backend of the cluster the tests share:
-    tests/test_faults.py does that on a cluster of its own.)"""
-    pid = cluster.worker_pid(deliver_db)
-    conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    wait_for(lambda: cluster.worker_pid(deliver_db) not in (None, pid), timeout=60)
-
-
 def on_oldest_and_newest_major(cluster) -> None:
     """The cluster's long faults do not depend on the PostgreSQL major: they run on the oldest
     and the newest tested (15 and 18), not on each, to keep CI within its time."""
@@ -245,7 +236,7 @@ def test_the_leader_killed_mid_stream_loses_nothing_and_reorders_no_key(conn, cl
         leader = kafka.leader(topic, 0)
         kafka.kill(leader)
         time.sleep(1)
-        terminate_worker(conn, cluster, deliver_db)
+        cluster.restart_worker(deliver_db)
         time.sleep(2)
         kafka.start(leader)
         time.sleep(2)
@@ -264,7 +255,7 @@ def test_a_rolling_restart_with_the_worker_terminated_midway_loses_nothing(conn,
             kafka.wait_in_sync(topic)
             kafka.stop(node)
             if node == 2:
-                terminate_worker(conn, cluster, deliver_db)
+                cluster.restart_worker(deliver_db)
             time.sleep(1)
             kafka.start(node)
         time.sleep(1)
@@ -284,7 +275,7 @@ def test_the_whole_cluster_down_for_a_minute_suspends_the_sink_and_loses_nothing
             kafka.kill(node)
         try:
             suspended(conn, sink, timeout=60)
-            terminate_worker(conn, cluster, deliver_db)
+            cluster.restart_worker(deliver_db)
             time.sleep(60 - 5)
             assert status(conn, sink)["dead_letters"] == 0
         finally:

@@ -234,15 +234,7 @@ impl Delivery {
                     // settings are tried on them at once (the old client's request out,
                     // delivered late, is a duplicate, after the new client's copy or before it;
                     // it starts no further request of them)
-                    for gone in self.pool.abandon(&name) {
-                        let batch = Batch {
-                            sink: name.clone(),
-                            consumer_id: gone.consumer_id,
-                            shard: gone.shard,
-                            epoch: gone.epoch,
-                            deadline: gone.deadline,
-                            events: Vec::new(),
-                        };
+                    for batch in self.pool.abandon(&name) {
                         let back = Judgement::GiveBack {
                             error: "given back for the sink's new settings".into(),
                         };

@@ -48,19 +48,14 @@ struct Job {
     given_up: Arc<AtomicBool>,
 }
 
-/// A batch out: what giving its lease back needs, and its job's given_up.
+/// A batch out: what giving its lease back needs (its consumer: the sink may be another one
+/// by then), and its job's given_up.
 struct Out {
-    batch: Abandoned,
+    consumer_id: i32,
+    shard: i32,
+    epoch: i64,
+    deadline: Instant,
     given_up: Arc<AtomicBool>,
-}
-
-/// A batch given up on while out (Pool::abandon): what giving its lease back needs.
-pub struct Abandoned {
-    /// The consumer it was claimed for (the sink may be another one by now).
-    pub consumer_id: i32,
-    pub shard: i32,
-    pub epoch: i64,
-    pub deadline: Instant,
 }
 
 pub struct Pool {
@@ -131,12 +126,10 @@ impl Pool {
         sink.in_flight += 1;
         let given_up = Arc::new(AtomicBool::new(false));
         let out = Out {
-            batch: Abandoned {
-                consumer_id: batch.consumer_id,
-                shard: batch.shard,
-                epoch: batch.epoch,
-                deadline: batch.deadline,
-            },
+            consumer_id: batch.consumer_id,
+            shard: batch.shard,
+            epoch: batch.epoch,
+            deadline: batch.deadline,
             given_up: Arc::clone(&given_up),
         };
         sink.out.insert(ticket, out);
@@ -166,9 +159,9 @@ impl Pool {
     /// Gives up on a sink's batches out: their outcome, whenever it comes, is dropped, they
     /// no longer count against its concurrency (new batches get threads of their own while
     /// they hold theirs), and their threads start no further request of them (a batch sent in
-    /// several requests stops after the one out). Returns them, for their leases to be given
-    /// back.
-    pub fn abandon(&mut self, sink: &str) -> Vec<Abandoned> {
+    /// several requests stops after the one out). Returns them, without their events, for
+    /// their leases to be given back.
+    pub fn abandon(&mut self, sink: &str) -> Vec<Batch> {
         let Some(threads) = self.sinks.get_mut(sink) else {
             return Vec::new();
         };
@@ -179,7 +172,14 @@ impl Pool {
         out.into_iter()
             .map(|(_, out)| {
                 out.given_up.store(true, Ordering::Relaxed);
-                out.batch
+                Batch {
+                    sink: sink.to_owned(),
+                    consumer_id: out.consumer_id,
+                    shard: out.shard,
+                    epoch: out.epoch,
+                    deadline: out.deadline,
+                    events: Vec::new(),
+                }
             })
             .collect()
     }

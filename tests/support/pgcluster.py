@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import psycopg
@@ -110,6 +111,18 @@ class Cluster:
             row = conn.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_ext worker' "
                                "AND datname = %s", (dbname,)).fetchone()
         return row and row[0]
+
+    def restart_worker(self, dbname: str, timeout: float = 60.0) -> None:
+        """pg_terminate_backend of the worker serving dbname (batches in flight), then waits for
+        the launcher to start its successor. (A SIGKILL would restart every backend.)"""
+        deadline = time.monotonic() + timeout
+        while (pid := self.worker_pid(dbname)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with self.connect() as conn:
+            conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        while self.worker_pid(dbname) in (None, pid):
+            assert time.monotonic() < deadline, f"no new worker for {dbname} within {timeout} s"
+            time.sleep(0.1)
 
     def log(self) -> str:
         try:
