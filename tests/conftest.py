@@ -25,6 +25,28 @@ SECURITY_DB = "security_db"  # tests/test_security.py plants hostile objects the
 _counter = itertools.count()
 
 
+# A failing test's report carries what the server logged while it ran (the worker's warnings
+# above all): in CI the cluster's directory is gone by the time anyone reads the report.
+LOG_TAIL = 200
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    cluster = item.funcargs.get("cluster")
+    item.log_offset = cluster.log_file.stat().st_size if cluster and cluster.log_file.exists() else None
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    cluster = item.funcargs.get("cluster") if hasattr(item, "funcargs") else None
+    offset = getattr(item, "log_offset", None)
+    if report.when == "call" and report.failed and cluster and offset is not None:
+        lines = cluster.log_file.read_bytes()[offset:].decode(errors="replace").splitlines()
+        report.sections.append(("server log during the test", "\n".join(lines[-LOG_TAIL:])))
+
+
 @pytest.fixture(scope="session", params=MAJORS, ids=[f"pg{m}" for m in MAJORS])
 def cluster(request):
     install_released_scripts(request.param)
