@@ -175,6 +175,27 @@ def test_a_topic_the_acls_deny_suspends_the_sink_until_they_allow_it(conn, new_s
     assert took < 3, f"delivered {took:.1f} s after the ACL was dropped"   # the next probe: 2 s away at most
 
 
+def test_a_topic_size_limit_lowered_by_mistake_suspends_the_sink_until_raised(conn, new_sink, kafka):
+    """A topic's max.message.bytes set far too low refuses every record as too large: the
+    brokers say it is about the records, but as no record goes through it is the sink's
+    fault. (Each was dead-lettered at once, a refusal for size taken as beyond doubt.)"""
+    topic = f"limited{next(_topics)}"
+    kafka.create_topic(topic, partitions=PARTITIONS, config={"max.message.bytes": "40"})
+    sink = kafka_sink(new_sink, kafka)
+    sent = emit_keys(conn, topic, keys=5, per_key=4)
+    suspended(conn, sink, timeout=60)
+    # the probes' refusals name the cause (the first batch's may be what the refusal cost its
+    # neighbours: records purged with the producer it ended)
+    wait_for(lambda: "large" in (status(conn, sink)["sink_state_reason"] or "").lower(), timeout=10)
+    time.sleep(3)
+    assert (status(conn, sink)["dead_letters"], status(conn, sink)["undelivered"]) == (0, 20)
+    kafka.set_topic_config(topic, "max.message.bytes", "1048588")
+    took = seconds_to_deliver_all(conn, sink, since=time.monotonic())
+    arrived, _ = first_arrivals(kafka.read(topic, expect=20, timeout=60))
+    assert arrived == sent and status(conn, sink)["dead_letters"] == 0
+    assert took < 5, f"delivered {took:.1f} s after the limit was raised"
+
+
 def test_two_brokers_of_three_down_the_sink_waits_and_resumes(conn, cluster, deliver_db, new_sink, kafka, topic):
     """The worker is terminated while the sink waits: its successor waits too."""
     sink = kafka_sink(new_sink, kafka)

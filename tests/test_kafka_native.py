@@ -127,6 +127,29 @@ def test_a_record_over_the_size_limit_is_dead_lettered_and_its_key_goes_on(conn,
     assert [json.loads(r["value"]) for r in records] == [{"i": 0}, {"i": 2}]
 
 
+def test_a_record_over_the_topics_size_limit_is_dead_lettered_once_others_go_through(conn, new_sink, kafka):
+    """The brokers refuse one record as too large for the topic while they take the others:
+    that record is dead-lettered, and its key goes on in order."""
+    topic = f"native{next(_topics)}"
+    kafka.create_topic(topic, partitions=PARTITIONS, config={"max.message.bytes": "4000"})
+    sink = new_sink("kafka", f"kafka://{kafka.bootstrap()}")
+    conn.execute("SELECT outbox.emit('order', 'b', 'e', '{\"i\": 0}', NULL, %s)", (topic,))
+    conn.execute("SELECT outbox.emit('order', 'b', 'e', %s::jsonb, NULL, %s)",
+                 (json.dumps({"blob": "x" * 10_000}), topic))
+    conn.execute("SELECT outbox.emit('order', 'b', 'e', '{\"i\": 2}', NULL, %s)", (topic,))
+    sent = emit_keys(conn, topic, keys=4, per_key=3)
+    dead = wait_for(lambda: conn.execute(
+        "SELECT last_error, aggregate_id, length(payload::text) FROM outbox.dead_letters WHERE consumer = %s",
+        (sink,)).fetchall())
+    time.sleep(1)
+    dead = conn.execute("SELECT last_error, aggregate_id, length(payload::text) FROM outbox.dead_letters "
+                        "WHERE consumer = %s", (sink,)).fetchall()
+    assert len(dead) == 1 and "large" in dead[0][0].lower() and dead[0][1] == "b", dead
+    records = kafka.read(topic, expect=2 + 12)
+    assert [json.loads(r["value"]) for r in records if r["key"] == b"b"] == [{"i": 0}, {"i": 2}]
+    assert first_arrivals([r for r in records if r["key"] != b"b"]) == sent
+
+
 def test_an_unknown_topic_holds_its_key_until_the_topic_is_made(conn, new_sink, kafka, topic):
     sink = new_sink("kafka", f"kafka://{kafka.bootstrap()}", request_timeout="3 s")
     missing = f"missing{next(_topics)}"

@@ -71,6 +71,8 @@ FAULTS = {
     "410": lambda r: (410, {}, b"gone"),
     "500 everywhere": lambda r: (500, {}, b"database down"),
     "400 everywhere": lambda r: (400, {}, b"unknown schema version"),
+    # a proxy's body limit set far too low: a 413 even for one event (was dead-lettered at once)
+    "413 everywhere": lambda r: (413, {}, b"request entity too large"),
     "502": lambda r: (502, {}, b"bad gateway"),
     "503 with Retry-After": lambda r: (503, {"retry-after": "1"}, b"deploying"),
     "dropped connections": lambda r: (None, {}, b""),

@@ -250,8 +250,10 @@ pub fn host_of(url: &str) -> &str {
 /// - a sink that is unavailable, refuses our credentials or moved (401, 403, 404, 407, 410,
 ///   502, 503, 504, redirects): about the sink;
 /// - 408 and other 5xx may be caused by the events: retried per key, with backoff;
-/// - 413 for one event: that event is too large, beyond doubt;
-/// - any other 4xx (400, 422, ...) refuses the events for good.
+/// - any other 4xx (400, 413 for one event, 422, ...) refuses the events for good, as far as
+///   the sink says: a 413 for one event is that event too large for the receiver, or the
+///   receiver's limit lowered by mistake, which the worker tells apart by whether other events
+///   go through.
 ///
 /// `n` is the number of events the request carried.
 pub fn judge_failure(reply: &Reply, what: &str, n: usize) -> Outcome {
@@ -263,7 +265,6 @@ pub fn judge_failure(reply: &Reply, what: &str, n: usize) -> Outcome {
             Outcome::SinkDown { error, retry_after }
         }
         408 | 500..=599 => Outcome::all(n, Verdict::Retry { error, retry_after }),
-        413 => Outcome::all(n, Verdict::Invalid { error }),
         _ => Outcome::all(n, Verdict::Reject { error }),
     }
 }
@@ -384,7 +385,7 @@ mod tests {
                 matches!(judge_failure(&reply(status), "x", 1), Outcome::Events(v) if matches!(v[0], Verdict::Retry { .. }))
             );
         }
-        for status in [400, 422] {
+        for status in [400, 413, 422] {
             assert!(
                 matches!(judge_failure(&reply(status), "x", 1), Outcome::Events(v) if matches!(v[0], Verdict::Reject { .. }))
             );

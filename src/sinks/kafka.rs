@@ -51,6 +51,9 @@ const QUEUE_FULL_WAIT: Duration = Duration::from_millis(10);
 pub struct Producer {
     settings: ClientConfig,
     live: Mutex<Live>,
+    /// A producer of its own for records sent alone (send_refused_alone), one at a time under
+    /// this lock: the live producer would put them in a record batch with other batches' records.
+    alone: Mutex<Option<Arc<ThreadedProducer<Reports>>>>,
 }
 
 #[derive(Default)]
@@ -70,6 +73,7 @@ impl Producer {
         Ok(Producer {
             settings,
             live: Mutex::default(),
+            alone: Mutex::default(),
         })
     }
 
@@ -156,12 +160,58 @@ impl Producer {
             last.insert(key, (i, topic));
         }
         batch.wait(deadline);
+        self.send_refused_alone(config, events, &batch, deadline);
         if batch.nothing_through() {
             self.retire(&live);
         }
         // from here, a report is remembered for the next batch of its key, not lost on this one
         batch.over.store(true, Ordering::Relaxed);
         batch.outcome(live.context().last_error())
+    }
+
+    /// A broker refuses a whole record batch as too large when one record of it is, so the
+    /// records it refused for size are produced again one at a time, in batch order, each
+    /// alone in its record batch (a producer of their own, `alone`): only a record too large
+    /// on its own is then refused (else its batch-mates, other keys' events, were
+    /// dead-lettered with it). A key whose record is refused alone holds its later records
+    /// back. (The refusal may have ended the live producer, gapless: the next batch builds a
+    /// new one.)
+    fn send_refused_alone(
+        &self,
+        config: &Config,
+        events: &[&Event],
+        batch: &Arc<Batch>,
+        deadline: Instant,
+    ) {
+        for i in batch.refused_for_size() {
+            let key = events[i].aggregate_id.as_str();
+            let earlier_failed = (0..i).any(|j| {
+                events[j].aggregate_id == key && batch.verdict(j) != Some(Verdict::Delivered)
+            });
+            if earlier_failed {
+                batch.replace(i, held_back());
+                continue;
+            }
+            let mut alone = self.alone.lock().unwrap_or_else(|e| e.into_inner());
+            if alone
+                .as_ref()
+                .is_none_or(|p| p.client().fatal_error().is_some())
+            {
+                match self.settings.create_with_context(Reports::default()) {
+                    Ok(producer) => *alone = Some(Arc::new(producer)),
+                    Err(_) => return, // the refusals stand
+                }
+            }
+            let Some(producer) = alone.as_ref() else {
+                return;
+            };
+            batch.replace_later(i);
+            let topic = kafka_topic(config, events[i]);
+            match produce(producer, config, events[i], &topic, batch, i, deadline) {
+                Err(verdict) => batch.report(i, verdict),
+                Ok(()) => drop(batch.wait_for(i, deadline)),
+            }
+        }
     }
 
     /// Nothing got through by the deadline: the next batch gets a new producer, and this one,
@@ -187,6 +237,10 @@ impl Drop for Producer {
     fn drop(&mut self) {
         let live = self.live.get_mut().unwrap_or_else(|e| e.into_inner());
         if let Some(producer) = live.producer.take() {
+            tear_down(producer);
+        }
+        let alone = self.alone.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(producer) = alone.take() {
             tear_down(producer);
         }
     }
@@ -266,20 +320,44 @@ fn produce(
             }
             Err((error, _)) => {
                 producer.context().copies().not_queued(&id);
-                return Err(judge(&error));
+                return Err(judge(&error, Side::Client));
             }
         }
     }
 }
 
-/// The verdict on a record librdkafka could not deliver (or queue): dead-lettered when the
-/// broker will never take this record; anything else is the cluster's (a topic not made yet or
-/// denied to us, credentials, leaders away, not enough replicas, timeouts) and never counted
-/// against the record: its key waits, in order, and the sink is suspended when nothing gets
-/// through (src/worker/health.rs).
-fn judge(error: &KafkaError) -> Verdict {
+/// A broker's refusal of a record batch for its size (or one of its records').
+fn refused_for_size(error: &KafkaError) -> bool {
+    matches!(
+        error.rdkafka_error_code(),
+        Some(Code::MessageSizeTooLarge | Code::MessageBatchTooLarge)
+    )
+}
+
+/// Who refused a record: the client as it queued it, or a broker in its delivery report.
+#[derive(Clone, Copy, PartialEq)]
+enum Side {
+    Client,
+    Broker,
+}
+
+/// The verdict on a record librdkafka could not deliver (or queue). Refused for its own
+/// content (too large, not a valid record): dead-lettered at once when our client refuses it
+/// (over its own message.max.bytes), and as far as a broker says when a broker does (a topic's
+/// max.message.bytes lowered by mistake refuses every record: src/worker/health.rs suspends
+/// the sink instead). Anything else is the cluster's (a topic not made yet or denied to us,
+/// credentials, leaders away, not enough replicas, timeouts) and never counted against the
+/// record: its key waits, in order, and the sink is suspended when nothing gets through.
+fn judge(error: &KafkaError, side: Side) -> Verdict {
     let error_text = format!("Kafka: {error}");
     match error.rdkafka_error_code() {
+        Some(
+            Code::MessageSizeTooLarge
+            | Code::InvalidMessageSize
+            | Code::MessageBatchTooLarge
+            | Code::InvalidMessage
+            | Code::InvalidRecord,
+        ) if side == Side::Broker => Verdict::Reject { error: error_text },
         Some(
             Code::MessageSizeTooLarge
             | Code::InvalidMessageSize
@@ -306,6 +384,8 @@ struct Batch {
 
 struct Verdicts {
     of: Vec<Option<Verdict>>,
+    /// Records a broker refused as too large (perhaps for a batch-mate: send_refused_alone).
+    too_large: Vec<bool>,
     missing: usize,
     /// The record wait_for waits for (woken by its report, not by every report).
     awaited: Option<usize>,
@@ -316,6 +396,7 @@ impl Batch {
         Batch {
             verdicts: Mutex::new(Verdicts {
                 of: vec![None; n],
+                too_large: vec![false; n],
                 missing: n,
                 awaited: None,
             }),
@@ -332,6 +413,45 @@ impl Batch {
             if verdicts.missing == 0 || verdicts.awaited == Some(i) {
                 self.reported.notify_all();
             }
+        }
+    }
+
+    /// A broker refused record i as too large.
+    fn report_too_large(&self, i: usize, verdict: Verdict) {
+        let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(flag) = verdicts.too_large.get_mut(i) {
+            *flag = true;
+        }
+        drop(verdicts);
+        self.report(i, verdict);
+    }
+
+    /// The records a broker refused as too large, in batch order.
+    fn refused_for_size(&self) -> Vec<usize> {
+        let verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
+        (verdicts.too_large.iter().enumerate())
+            .filter(|(_, &refused)| refused)
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// Record i's verdict is `verdict` instead of the one reported.
+    fn replace(&self, i: usize, verdict: Verdict) {
+        let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = verdicts.of.get_mut(i) {
+            *slot = Some(verdict);
+        }
+    }
+
+    /// Record i is sent again: its verdict is the next report's.
+    fn replace_later(&self, i: usize) {
+        let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot @ Some(_)) = verdicts.of.get_mut(i) {
+            *slot = None;
+            verdicts.missing += 1;
+        }
+        if let Some(flag) = verdicts.too_large.get_mut(i) {
+            *flag = false;
         }
     }
 
@@ -549,6 +669,7 @@ impl ProducerContext for Reports {
 
     fn delivery(&self, result: &DeliveryResult<'_>, opaque: Self::DeliveryOpaque) {
         let (batch, i, id) = *opaque;
+        let too_large = result.as_ref().is_err_and(|(e, _)| refused_for_size(e));
         let verdict = match result {
             Ok(_) => {
                 if self.has_error.swap(false, Ordering::Relaxed) {
@@ -556,8 +677,12 @@ impl ProducerContext for Reports {
                 }
                 Verdict::Delivered
             }
-            Err((error, _)) => judge(error),
+            Err((error, _)) => judge(error, Side::Broker),
         };
+        if too_large && !batch.over.load(Ordering::Relaxed) {
+            // before the copies: report() below then leaves the verdict as it is
+            batch.report_too_large(i, verdict.clone());
+        }
         let waiting = self
             .copies()
             .reported(&id, (batch, i), verdict == Verdict::Delivered);

@@ -244,14 +244,16 @@ fn record_verdict(report: &Value, what: &str) -> Verdict {
 }
 
 /// Codes that say the record itself will never be taken (dead-lettered): Some(true) beyond
-/// doubt (Kafka's own: too large, invalid topic, invalid record), Some(false) as far as the
-/// proxy says (a 4xx). None: the proxy's or the brokers' doing (throttled, a topic or
-/// partition it lacks, credentials, a leader away, not enough replicas), never counted
-/// against the record, which waits.
+/// doubt (a topic name Kafka refuses), Some(false) as far as the brokers or the proxy say
+/// (too large or not a valid record for a topic's settings, a 4xx: a setting lowered by
+/// mistake refuses every record, which src/worker/health.rs tells apart). None: the proxy's
+/// or the brokers' doing (throttled, a topic or partition it lacks, credentials, a leader
+/// away, not enough replicas), never counted against the record, which waits.
 fn about_the_record(code: i64) -> Option<bool> {
     let http_class = if code >= 1000 { code / 100 } else { code };
     match code {
-        10 | 17 | 18 | 87 => Some(true),
+        17 => Some(true),
+        10 | 18 | 87 => Some(false),
         1 | 50002 => Some(false), // old proxies' "non-retriable"; v2 fatal
         _ if (400..500).contains(&http_class)
             && !matches!(http_class, 401 | 403 | 404 | 407 | 408 | 429) =>

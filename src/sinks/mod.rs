@@ -139,13 +139,17 @@ pub enum Verdict {
         error: String,
         retry_after: Option<Duration>,
     },
-    /// Refused for good (a 4xx, a record the broker will never take): dead-lettered.
+    /// Refused for good, as far as the sink says (a 4xx; a 413 for one event; a record a broker
+    /// refuses as too large or not valid): dead-lettered once the sink is shown to take other
+    /// events (src/worker/health.rs). A limit lowered by mistake (a proxy's body size, a
+    /// topic's max.message.bytes) refuses every event: the sink is then suspended, not its
+    /// events dead-lettered.
     Reject {
         error: String,
     },
-    /// The event itself can never be sent: checked before sending (a topic name Kafka refuses),
-    /// or refused by the sink for its own content beyond doubt (too large, not a valid record).
-    /// Dead-lettered whatever the sink's health.
+    /// The event itself can never be sent, decided here before it reaches the sink: a topic
+    /// name Kafka refuses, a record over the client's own size limit. Dead-lettered whatever
+    /// the sink's health.
     Invalid {
         error: String,
     },

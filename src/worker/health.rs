@@ -15,8 +15,10 @@
 //!   success is all that tells the two apart; a sink with a single key in flight can so have
 //!   its attempts counted in the first 30 s of an outage.)
 //!
-//! An event the sink refused beyond doubt (`Verdict::Invalid`: too large, a topic name Kafka
-//! refuses) is dead-lettered whatever the sink's health.
+//! An event found unsendable before it reached the sink (`Verdict::Invalid`: a topic name
+//! Kafka refuses, a record over the client's own size limit) is dead-lettered whatever the
+//! sink's health. What the sink itself refuses, even as too large, is judged as above: a
+//! limit lowered by mistake refuses every event, which suspends the sink.
 //!
 //! Otherwise the batch is given back unattempted (`outbox.release`): nothing is counted,
 //! parked or dead-lettered, however long the failure lasts, and the sink is suspended: no

@@ -22,8 +22,9 @@ import uuid
 from pathlib import Path
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import (AclBinding, AclBindingFilter, AclOperation, AclPermissionType, AdminClient, NewTopic,
-                                    ResourcePatternType, ResourceType)
+from confluent_kafka.admin import (AclBinding, AclBindingFilter, AclOperation, AclPermissionType, AdminClient,
+                                    AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourcePatternType,
+                                    ResourceType)
 
 from .pgcluster import free_port
 
@@ -110,10 +111,18 @@ class KafkaCluster:
         refused connections of every wait for a node to start."""
         return self._admin
 
-    def create_topic(self, name: str, partitions: int, rf: int = 3, timeout: float = 30.0) -> None:
-        """Create the topic and wait until every partition has a leader."""
-        self.admin().create_topics([NewTopic(name, partitions, rf)])[name].result(timeout)
+    def create_topic(self, name: str, partitions: int, rf: int = 3, timeout: float = 30.0,
+                     config: dict[str, str] | None = None) -> None:
+        """Create the topic (with topic-level config, if given) and wait until every partition
+        has a leader."""
+        self.admin().create_topics([NewTopic(name, partitions, rf, config=config or {})])[name].result(timeout)
         self._wait(lambda: self._leaders(name) == partitions, timeout, f"leaders of topic {name}")
+
+    def set_topic_config(self, name: str, key: str, value: str, timeout: float = 30.0) -> None:
+        """Sets one topic-level setting (an incremental alter, as kafka-configs.sh does)."""
+        entry = ConfigEntry(key, value, incremental_operation=AlterConfigOpType.SET)
+        resource = ConfigResource(ConfigResource.Type.TOPIC, name, incremental_configs=[entry])
+        self.admin().incremental_alter_configs([resource])[resource].result(timeout)
 
     def delete_topic(self, name: str, timeout: float = 30.0) -> None:
         """Delete the topic and wait until the metadata no longer shows it."""
