@@ -169,13 +169,13 @@ impl Producer {
         batch.outcome(live.context().last_error())
     }
 
-    /// A broker refuses a whole record batch as too large when one record of it is, so the
-    /// records it refused for size are produced again one at a time, in batch order, each
-    /// alone in its record batch (a producer of their own, `alone`): only a record too large
-    /// on its own is then refused (else its batch-mates, other keys' events, were
-    /// dead-lettered with it). A key whose record is refused alone holds its later records
-    /// back. (The refusal may have ended the live producer, gapless: the next batch builds a
-    /// new one.)
+    /// A broker refuses a whole record batch when one record of it is too large or not valid,
+    /// so the records it refused so are produced again one at a time, in batch order, each
+    /// alone in its record batch (a producer of their own, `alone`): only a record refused on
+    /// its own is then judged (else its batch-mates, other keys' events, were dead-lettered
+    /// with it). A key whose record is refused alone holds its later records
+    /// back. What the deadline leaves unsent this way goes back unsent, never blamed. (The
+    /// refusal may have ended the live producer, gapless: the next batch builds a new one.)
     fn send_refused_alone(
         &self,
         config: &Config,
@@ -183,7 +183,7 @@ impl Producer {
         batch: &Arc<Batch>,
         deadline: Instant,
     ) {
-        for i in batch.refused_for_size() {
+        for i in batch.refused_for_content() {
             let key = events[i].aggregate_id.as_str();
             let earlier_failed = (0..i).any(|j| {
                 events[j].aggregate_id == key && batch.verdict(j) != Some(Verdict::Delivered)
@@ -193,6 +193,16 @@ impl Producer {
                 continue;
             }
             let mut alone = self.alone.lock().unwrap_or_else(|e| e.into_inner());
+            if Instant::now() >= deadline {
+                batch.replace(
+                    i,
+                    Verdict::Unsent {
+                        error: "Kafka: refused with other records, not sent alone in time".into(),
+                        retry_after: None,
+                    },
+                );
+                continue;
+            }
             if alone
                 .as_ref()
                 .is_none_or(|p| p.client().fatal_error().is_some())
@@ -326,11 +336,18 @@ fn produce(
     }
 }
 
-/// A broker's refusal of a record batch for its size (or one of its records').
-fn refused_for_size(error: &KafkaError) -> bool {
+/// A broker's refusal of a record batch for its content: too large, or not a valid record
+/// (it refuses the whole batch for one record of it).
+fn refused_for_content(error: &KafkaError) -> bool {
     matches!(
         error.rdkafka_error_code(),
-        Some(Code::MessageSizeTooLarge | Code::MessageBatchTooLarge)
+        Some(
+            Code::MessageSizeTooLarge
+                | Code::InvalidMessageSize
+                | Code::MessageBatchTooLarge
+                | Code::InvalidMessage
+                | Code::InvalidRecord
+        )
     )
 }
 
@@ -341,34 +358,27 @@ enum Side {
     Broker,
 }
 
-/// The verdict on a record librdkafka could not deliver (or queue). Refused for its own
-/// content (too large, not a valid record): dead-lettered at once when our client refuses it
-/// (over its own message.max.bytes), and as far as a broker says when a broker does (a topic's
+/// The verdict on a record librdkafka could not deliver (or queue). A topic name Kafka
+/// refuses: dead-lettered at once. Refused for its own content (too large, not a valid
+/// record): dead-lettered at once when our client refuses it (over its own
+/// message.max.bytes), and as far as a broker says when a broker does (a topic's
 /// max.message.bytes lowered by mistake refuses every record: src/worker/health.rs suspends
 /// the sink instead). Anything else is the cluster's (a topic not made yet or denied to us,
 /// credentials, leaders away, not enough replicas, timeouts) and never counted against the
 /// record: its key waits, in order, and the sink is suspended when nothing gets through.
 fn judge(error: &KafkaError, side: Side) -> Verdict {
-    let error_text = format!("Kafka: {error}");
-    match error.rdkafka_error_code() {
-        Some(
-            Code::MessageSizeTooLarge
-            | Code::InvalidMessageSize
-            | Code::MessageBatchTooLarge
-            | Code::InvalidMessage
-            | Code::InvalidRecord,
-        ) if side == Side::Broker => Verdict::Reject { error: error_text },
-        Some(
-            Code::MessageSizeTooLarge
-            | Code::InvalidMessageSize
-            | Code::MessageBatchTooLarge
-            | Code::InvalidMessage
-            | Code::InvalidRecord
-            | Code::InvalidTopic
-            | Code::InvalidArgument,
-        ) => Verdict::Invalid { error: error_text },
+    let text = format!("Kafka: {error}");
+    // a topic name (or an argument) no broker takes, whoever says so
+    let never_sendable = matches!(
+        error.rdkafka_error_code(),
+        Some(Code::InvalidTopic | Code::InvalidArgument)
+    );
+    match side {
+        _ if never_sendable => Verdict::Invalid { error: text },
+        Side::Broker if refused_for_content(error) => Verdict::Reject { error: text },
+        Side::Client if refused_for_content(error) => Verdict::Invalid { error: text },
         _ => Verdict::Unsent {
-            error: error_text,
+            error: text,
             retry_after: None,
         },
     }
@@ -384,8 +394,8 @@ struct Batch {
 
 struct Verdicts {
     of: Vec<Option<Verdict>>,
-    /// Records a broker refused as too large (perhaps for a batch-mate: send_refused_alone).
-    too_large: Vec<bool>,
+    /// Records a broker refused for their content (perhaps a batch-mate's: send_refused_alone).
+    refused: Vec<bool>,
     missing: usize,
     /// The record wait_for waits for (woken by its report, not by every report).
     awaited: Option<usize>,
@@ -396,7 +406,7 @@ impl Batch {
         Batch {
             verdicts: Mutex::new(Verdicts {
                 of: vec![None; n],
-                too_large: vec![false; n],
+                refused: vec![false; n],
                 missing: n,
                 awaited: None,
             }),
@@ -416,20 +426,20 @@ impl Batch {
         }
     }
 
-    /// A broker refused record i as too large.
-    fn report_too_large(&self, i: usize, verdict: Verdict) {
+    /// A broker refused record i for its content (refused_for_content).
+    fn report_refused(&self, i: usize, verdict: Verdict) {
         let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(flag) = verdicts.too_large.get_mut(i) {
+        if let Some(flag) = verdicts.refused.get_mut(i) {
             *flag = true;
         }
         drop(verdicts);
         self.report(i, verdict);
     }
 
-    /// The records a broker refused as too large, in batch order.
-    fn refused_for_size(&self) -> Vec<usize> {
+    /// The records a broker refused for their content, in batch order.
+    fn refused_for_content(&self) -> Vec<usize> {
         let verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
-        (verdicts.too_large.iter().enumerate())
+        (verdicts.refused.iter().enumerate())
             .filter(|(_, &refused)| refused)
             .map(|(i, _)| i)
             .collect()
@@ -450,7 +460,7 @@ impl Batch {
             *slot = None;
             verdicts.missing += 1;
         }
-        if let Some(flag) = verdicts.too_large.get_mut(i) {
+        if let Some(flag) = verdicts.refused.get_mut(i) {
             *flag = false;
         }
     }
@@ -669,7 +679,7 @@ impl ProducerContext for Reports {
 
     fn delivery(&self, result: &DeliveryResult<'_>, opaque: Self::DeliveryOpaque) {
         let (batch, i, id) = *opaque;
-        let too_large = result.as_ref().is_err_and(|(e, _)| refused_for_size(e));
+        let refused = result.as_ref().is_err_and(|(e, _)| refused_for_content(e));
         let verdict = match result {
             Ok(_) => {
                 if self.has_error.swap(false, Ordering::Relaxed) {
@@ -679,9 +689,9 @@ impl ProducerContext for Reports {
             }
             Err((error, _)) => judge(error, Side::Broker),
         };
-        if too_large && !batch.over.load(Ordering::Relaxed) {
+        if refused && !batch.over.load(Ordering::Relaxed) {
             // before the copies: report() below then leaves the verdict as it is
-            batch.report_too_large(i, verdict.clone());
+            batch.report_refused(i, verdict.clone());
         }
         let waiting = self
             .copies()
@@ -794,6 +804,31 @@ mod tests {
     use super::super::test_config;
     use super::*;
     use crate::sinks::Kind;
+
+    #[test]
+    fn a_refusal_for_content_is_certain_only_when_the_client_makes_it() {
+        let too_large = KafkaError::MessageProduction(Code::MessageSizeTooLarge);
+        assert!(matches!(
+            judge(&too_large, Side::Client),
+            Verdict::Invalid { .. }
+        ));
+        assert!(matches!(
+            judge(&too_large, Side::Broker),
+            Verdict::Reject { .. }
+        ));
+        let invalid = KafkaError::MessageProduction(Code::InvalidRecord);
+        assert!(matches!(
+            judge(&invalid, Side::Broker),
+            Verdict::Reject { .. }
+        ));
+        let bad_topic = KafkaError::MessageProduction(Code::InvalidTopic);
+        assert!(matches!(
+            judge(&bad_topic, Side::Broker),
+            Verdict::Invalid { .. }
+        ));
+        let away = KafkaError::MessageProduction(Code::NotEnoughReplicas);
+        assert!(matches!(judge(&away, Side::Broker), Verdict::Unsent { .. }));
+    }
 
     #[test]
     fn sasl_over_tls_settings() {
