@@ -84,7 +84,7 @@ BEGIN
         RAISE EXCEPTION '% must not be NULL', arg
             USING ERRCODE = 'null_value_not_allowed',
                   HINT = format('Pass %s to %s; %s describes every argument.', arg, func,
-                                CASE WHEN func ~ '^(outbox|inbox)\.[a-z_]+$' THEN 'docs/reference/' || func || '.md'
+                                CASE WHEN func ~ '^(outbox|inbox)[.][a-z_]+$' THEN 'docs/reference/' || func || '.md'
                                      ELSE 'docs/reference/README.md' END);
     END IF;
 END

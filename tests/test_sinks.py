@@ -49,6 +49,22 @@ def test_bad_sinks_are_refused_with_a_hint(db, bad, hint_has):
     assert db.execute("SELECT count(*) FROM outbox.consumers").fetchone()[0] == 0, "nothing half-made"
 
 
+def test_urls_are_checked_alike_with_standard_conforming_strings_off(db):
+    """A session of an older application may run with standard_conforming_strings off, where
+    '\\s' in a pattern reads as 's': a URL with an s in its path was refused, one with a
+    line break taken, and every first call warned of a nonstandard escape."""
+    notices = []
+    db.add_notice_handler(lambda d: notices.append(d.message_primary))
+    db.execute("SET standard_conforming_strings = off")
+    create(db, **{**GOOD, "url": "https://hooks.example.com/services/hooks"})
+    with pytest.raises(psycopg.errors.InvalidParameterValue):
+        create(db, **{**GOOD, "name": "split", "url": "https://hooks.example.com/a\nb"})
+    with pytest.raises(psycopg.errors.NullValueNotAllowed) as e:
+        db.execute("SELECT outbox.create_consumer(NULL)")
+    assert "docs/reference/outbox.create_consumer.md" in e.value.diag.message_hint
+    assert not [n for n in notices if "escape" in n], notices
+
+
 def test_a_kafka_sink_takes_brokers_sasl_and_producer_settings(db):
     create(db, name="stream", kind="kafka", url="kafkas://b1.example:9093,b2.example:9093",
            compression="zstd", linger="20 ms", sasl_mechanism="SCRAM-SHA-256", sasl_username="svc",
