@@ -290,6 +290,36 @@ def test_a_key_that_fails_among_healthy_ones_is_still_dead_lettered(conn, new_si
         receiver.close()
 
 
+def test_on_a_quiet_sink_a_second_key_failing_alone_suspends_it(conn, new_sink):
+    """A receiver deploy starts answering 422 to everything while the sink sends one event at
+    a time. The first key failing alone within 30 s of a success is taken for a poisoned key
+    (the rule that dead-letters one on an otherwise idle sink); a second key failing alone
+    after it is the sink failing: it is suspended and nothing more is dead-lettered. (Every
+    key failing alone in those 30 s was dead-lettered: the first blamed key was forgotten.)"""
+    peer = Misbehaving(lambda r: (422, {}, b"schema version 2 required"))
+    peer.healed.set()
+    try:
+        sink = new_sink("webhook", peer.receiver.url, format="single", **SHORT_POLICY)
+        emit_keys(conn, keys=1, per_key=1, prefix="quiet-ok")
+        wait_for(lambda: len(peer.receiver.accepted_events()) == 1)
+        peer.healed.clear()                                   # the deploy
+        emit_keys(conn, keys=1, per_key=1, prefix="quiet-a")
+        wait_for(lambda: status(conn, sink)["dead_letters"] == 1)   # taken for a poisoned key
+        later = {}
+        for key in ("quiet-b", "quiet-c"):
+            later.update(emit_keys(conn, keys=1, per_key=1, prefix=key))
+            time.sleep(1)
+        assert wait_for(lambda: status(conn, sink)["sink_state"] == "suspended", timeout=10)
+        time.sleep(2)
+        assert status(conn, sink)["dead_letters"] == 1
+        peer.healed.set()
+        wait_for(lambda: status(conn, sink)["undelivered"] == 0, timeout=20)
+        check_delivery(later, [e for e in peer.receiver.accepted_events() if e["aggregate_id"] != "quiet-ok0"])
+        assert status(conn, sink)["dead_letters"] == 1
+    finally:
+        peer.receiver.close()
+
+
 def test_a_retry_after_of_an_hour_parks_a_key_five_minutes_at_most(conn, new_sink):
     """A receiver mid-deploy answers one key's requests 500 with "Retry-After: 3600" while it
     takes the others: the key is parked (its failure counts: the same batch delivered), but

@@ -151,6 +151,37 @@ def test_4xx_is_dead_lettered_and_the_key_moves_on(conn, new_sink):
         receiver.close()
 
 
+def test_an_event_refused_in_a_batch_takes_no_batch_mate_with_it(conn, new_sink):
+    """A receiver answers 422 to a whole batch for the one event of it that it will never take.
+    Only that event is dead-lettered (the request is split until the event is alone), and every
+    other key's events arrive in order. (Once a request started later had gone through, the
+    first event of every key in that batch was dead-lettered with it.)"""
+    def answer(r):
+        if any(e["payload"].get("bad") for e in r.events()):
+            time.sleep(0.3)        # requests started after it go through first: shown healthy
+            return 422, {}, b"unknown field: bad"
+        return 200, {}, b""
+    receiver = Receiver(answer)
+    try:
+        sink = new_sink("webhook", receiver.url, batch_size=50)
+        emitted = defaultdict(list)
+        for wave in range(3):
+            with conn.transaction():
+                for k in range(40):
+                    emitted[f"w{k}"] += emit(conn, f"w{k}", payload={"wave": wave})
+                if wave == 0:
+                    bad = emit(conn, "poison", payload={"bad": True})
+                    emitted["poison"] += emit(conn, "poison", payload={"after": True})
+            time.sleep(0.1)
+        wait_for(lambda: len({e["id"] for e in receiver.accepted_events()}) >= 121, timeout=30)
+        dead = conn.execute("SELECT event_id::text FROM outbox.dead_letters WHERE consumer = %s",
+                            (sink,)).fetchall()
+        assert [d[0] for d in dead] == bad
+        check_delivery(emitted, receiver.accepted_events())
+    finally:
+        receiver.close()
+
+
 def test_routing_by_topic_and_aggregate_type(conn, new_sink, receiver):
     new_sink("webhook", receiver.url, topics=["billing"])
     wanted = emit(conn, "t1", 2, topic="billing")

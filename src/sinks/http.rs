@@ -245,15 +245,16 @@ pub fn host_of(url: &str) -> &str {
 
 /// How a reply that is not a success counts (hints: the worker blames an event only when the
 /// sink is shown healthy for other events, src/worker/health.rs):
-/// - throttling (429): never the events' fault, whatever else the sink does: they go back
-///   unsent and the sink is slowed;
+/// - throttling (429, or 503 with a Retry-After: load shed): never the events' fault,
+///   whatever else the sink does: they go back unsent and the sink is slowed;
 /// - a sink that is unavailable, refuses our credentials or moved (401, 403, 404, 407, 410,
-///   502, 503, 504, redirects): about the sink;
-/// - 408 and other 5xx may be caused by the events: retried per key, with backoff;
-/// - any other 4xx (400, 413 for one event, 422, ...) refuses the events for good, as far as
-///   the sink says: a 413 for one event is that event too large for the receiver, or the
-///   receiver's limit lowered by mistake, which the worker tells apart by whether other events
-///   go through.
+///   502, 503, 504, a CDN's 520-530 for an origin it cannot reach, redirects): about the sink;
+/// - 408, 409, 423, 425 (busy with the same event, locked, too early) and other 5xx may be
+///   caused by the events, or pass: retried per key, with backoff;
+/// - any other 4xx (400, 413, 422, ...) refuses the events for good, as far as the sink says
+///   (`refuses_for_good`): a 413 for one event is that event too large for the receiver, or
+///   the receiver's limit lowered by mistake, which the worker tells apart by whether other
+///   events go through.
 ///
 /// `n` is the number of events the request carried.
 pub fn judge_failure(reply: &Reply, what: &str, n: usize) -> Outcome {
@@ -261,12 +262,24 @@ pub fn judge_failure(reply: &Reply, what: &str, n: usize) -> Outcome {
     let retry_after = reply.retry_after;
     match reply.status {
         429 => Outcome::all(n, Verdict::Unsent { error, retry_after }),
-        401 | 403 | 404 | 407 | 410 | 502..=504 | 300..=399 => {
+        503 if retry_after.is_some() => Outcome::all(n, Verdict::Unsent { error, retry_after }),
+        401 | 403 | 404 | 407 | 410 | 502..=504 | 520..=530 | 300..=399 => {
             Outcome::SinkDown { error, retry_after }
         }
-        408 | 500..=599 => Outcome::all(n, Verdict::Retry { error, retry_after }),
-        _ => Outcome::all(n, Verdict::Reject { error }),
+        status if refuses_for_good(status) => Outcome::all(n, Verdict::Reject { error }),
+        _ => Outcome::all(n, Verdict::Retry { error, retry_after }),
     }
+}
+
+/// A 4xx that refuses a request's events for good (judge_failure). A request of several
+/// events refused so is split (sinks::split) until the events refused are alone: one event the
+/// receiver will never take must not take its batch-mates, other keys' events, with it.
+pub fn refuses_for_good(status: u16) -> bool {
+    (400..500).contains(&status)
+        && !matches!(
+            status,
+            401 | 403 | 404 | 407 | 408 | 409 | 410 | 423 | 425 | 429
+        )
 }
 
 /// "HTTP 500 from webhook: <first 200 characters of the body>".
@@ -371,7 +384,7 @@ mod tests {
             retry_after: None,
             body: String::new(),
         };
-        for status in [401, 403, 404, 407, 410, 503, 502, 504, 301] {
+        for status in [401, 403, 404, 407, 410, 503, 502, 504, 521, 530, 301] {
             assert!(matches!(
                 judge_failure(&reply(status), "x", 1),
                 Outcome::SinkDown { .. }
@@ -380,7 +393,14 @@ mod tests {
         assert!(
             matches!(judge_failure(&reply(429), "x", 1), Outcome::Events(v) if matches!(v[0], Verdict::Unsent { .. }))
         );
-        for status in [408, 500, 501] {
+        let shed = Reply {
+            retry_after: Some(Duration::from_secs(1)),
+            ..reply(503)
+        };
+        assert!(
+            matches!(judge_failure(&shed, "x", 1), Outcome::Events(v) if matches!(v[0], Verdict::Unsent { .. }))
+        );
+        for status in [408, 409, 423, 425, 500, 501] {
             assert!(
                 matches!(judge_failure(&reply(status), "x", 1), Outcome::Events(v) if matches!(v[0], Verdict::Retry { .. }))
             );

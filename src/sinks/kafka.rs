@@ -194,26 +194,22 @@ impl Producer {
             }
             let mut alone = self.alone.lock().unwrap_or_else(|e| e.into_inner());
             if Instant::now() >= deadline {
-                batch.replace(
-                    i,
-                    Verdict::Unsent {
-                        error: "Kafka: refused with other records, not sent alone in time".into(),
-                        retry_after: None,
-                    },
-                );
+                batch.replace(i, not_sent_alone("no time left"));
                 continue;
             }
             if alone
                 .as_ref()
                 .is_none_or(|p| p.client().fatal_error().is_some())
             {
-                match self.settings.create_with_context(Reports::default()) {
-                    Ok(producer) => *alone = Some(Arc::new(producer)),
-                    Err(_) => return, // the refusals stand
+                let fresh =
+                    (self.settings.create_with_context(Reports::default()).ok()).map(Arc::new);
+                if let Some(old) = std::mem::replace(&mut *alone, fresh) {
+                    tear_down(old); // a fatal error ended it
                 }
             }
             let Some(producer) = alone.as_ref() else {
-                return;
+                batch.replace(i, not_sent_alone("no producer to send it alone"));
+                continue;
             };
             batch.replace_later(i);
             let topic = kafka_topic(config, events[i]);
@@ -333,6 +329,14 @@ fn produce(
                 return Err(judge(&error, Side::Client));
             }
         }
+    }
+}
+
+/// A record a broker refused with others that could not be sent alone: never blamed.
+fn not_sent_alone(why: &str) -> Verdict {
+    Verdict::Unsent {
+        error: format!("Kafka: refused with other records, not sent alone ({why})"),
+        retry_after: None,
     }
 }
 

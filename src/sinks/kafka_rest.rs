@@ -157,11 +157,19 @@ fn post_records(agent: &ureq::Agent, config: &Config, topic: &str, events: &[&Ev
             error: format!("{what}: {error}"),
             retry_after: None,
         },
-        Ok(reply) if reply.status == 413 && events.len() > 1 => {
+        Ok(reply) if refused_whole(config.kind, &reply) && events.len() > 1 => {
             split(events, |half| post_records(agent, config, topic, half))
         }
         Ok(reply) => judge_reply(config.kind, &reply, &what, events.len()),
     }
+}
+
+/// A reply that refuses the whole request for good without a verdict per record (a v2 422
+/// may carry them): the request is split, as a webhook's (http::refuses_for_good).
+fn refused_whole(kind: Kind, reply: &Reply) -> bool {
+    let per_record =
+        kind != Kind::KafkaRestV3 && reply.status == 422 && v2_reports(&reply.body).is_some();
+    http::refuses_for_good(reply.status) && !per_record
 }
 
 /// Per-record verdicts from a reply that carries them; request-level judgement otherwise.
@@ -229,38 +237,38 @@ fn record_verdict(report: &Value, what: &str) -> Verdict {
             error: format!("{what}: {message}"),
             retry_after: None,
         },
-        Some(code) => {
-            let error = format!("{what}: error_code {code}: {message}");
-            match about_the_record(code) {
-                Some(true) => Verdict::Invalid { error },
-                Some(false) => Verdict::Reject { error },
-                None => Verdict::Unsent {
-                    error,
-                    retry_after: None,
-                },
-            }
-        }
+        Some(code) => record_failure(code, format!("{what}: error_code {code}: {message}")),
     }
 }
 
-/// Codes that say the record itself will never be taken (dead-lettered): Some(true) beyond
-/// doubt (a topic name Kafka refuses), Some(false) as far as the brokers or the proxy say
-/// (too large or not a valid record for a topic's settings, a 4xx: a setting lowered by
-/// mistake refuses every record, which src/worker/health.rs tells apart). None: the proxy's
-/// or the brokers' doing (throttled, a topic or partition it lacks, credentials, a leader
-/// away, not enough replicas), never counted against the record, which waits.
-fn about_the_record(code: i64) -> Option<bool> {
+/// What a record's error code says:
+/// - a topic name Kafka refuses (17): the record's beyond doubt, dead-lettered at once;
+/// - refused by the brokers for its content (10, 18: too large; 87: not valid), or by the
+///   proxy's producer for any reason it will not retry (50002, the old 1; 40002): the record's
+///   perhaps, or a batch-mate's (a broker refuses a whole record batch for one record) or a
+///   passing state's (a proxy's skewed clock, a fenced producer): retried per key, alone,
+///   counted, and dead-lettered after max_attempts;
+/// - any other 4xx code: refused for good as far as the proxy says (dead-lettered once the sink
+///   is shown to take other records: src/worker/health.rs);
+/// - anything else is the proxy's or the brokers' doing (throttled, a topic or partition it
+///   lacks, credentials, a leader away, not enough replicas): never counted, the record waits.
+fn record_failure(code: i64, error: String) -> Verdict {
     let http_class = if code >= 1000 { code / 100 } else { code };
     match code {
-        17 => Some(true),
-        10 | 18 | 87 => Some(false),
-        1 | 50002 => Some(false), // old proxies' "non-retriable"; v2 fatal
+        17 => Verdict::Invalid { error },
+        10 | 18 | 87 | 1 | 50002 | 40002 => Verdict::Retry {
+            error,
+            retry_after: None,
+        },
         _ if (400..500).contains(&http_class)
             && !matches!(http_class, 401 | 403 | 404 | 407 | 408 | 429) =>
         {
-            Some(false)
+            Verdict::Reject { error }
         }
-        _ => None,
+        _ => Verdict::Unsent {
+            error,
+            retry_after: None,
+        },
     }
 }
 
@@ -377,13 +385,13 @@ mod tests {
         let v2 = Kind::KafkaRestV2;
         assert_eq!(
             kinds(judge_reply(v2, &reply(200, confluent), "k", 3)),
-            ["ok", "unsent", "reject"]
+            ["ok", "unsent", "retry"]
         );
         // whole request 422 with old codes 1 (fatal) / 2 (retriable); success without fields
         let old = r#"{"offsets":[{"partition":0,"offset":4},{"error_code":2,"error":"x"},{"error_code":1,"error":"y"}]}"#;
         assert_eq!(
             kinds(judge_reply(v2, &reply(422, old), "k", 3)),
-            ["ok", "unsent", "reject"]
+            ["ok", "unsent", "retry"]
         );
         // fewer offsets than records: the rest goes back, never assumed delivered
         assert_eq!(
@@ -420,11 +428,10 @@ mod tests {
             kinds(judge_reply(v3, &reply(200, body), "k", 3)),
             ["ok", "unsent", "unsent"]
         );
-        let array =
-            r#"[{"error_code":200},{"error_code":50003,"message":"m"},{"error_code":40002}]"#;
+        let array = r#"[{"error_code":200},{"error_code":50003,"message":"m"},{"error_code":40002},{"error_code":42201}]"#;
         assert_eq!(
-            kinds(judge_reply(v3, &reply(200, array), "k", 3)),
-            ["ok", "unsent", "reject"]
+            kinds(judge_reply(v3, &reply(200, array), "k", 4)),
+            ["ok", "unsent", "retry", "reject"]
         );
         assert_eq!(
             kinds(judge_reply(

@@ -349,9 +349,10 @@ impl Tally {
     }
 }
 
-/// A request the sink refused as too large (413), sent again as two halves, in order (and so
-/// on, down to single events: only a single event too large is dead-lettered). Events of the
-/// second half whose key failed in the first are held back.
+/// A request the sink refused for good (too large, or a 4xx: http::refuses_for_good), sent
+/// again as two halves, in order (and so on, down to single events: only an event refused
+/// alone is judged, not its batch-mates). Events of the second half whose key failed in the
+/// first are held back.
 pub fn split(events: &[&Event], send: impl Fn(&[&Event]) -> Outcome) -> Outcome {
     let first = &events[..events.len() / 2];
     let mut tally = Tally::new(events.len());

@@ -113,7 +113,7 @@ fn post(
         Ok(reply) if (200..300).contains(&reply.status) => {
             Outcome::all(events.len(), Verdict::Delivered)
         }
-        Ok(reply) if reply.status == 413 && events.len() > 1 => {
+        Ok(reply) if http::refuses_for_good(reply.status) && events.len() > 1 => {
             split(events, |half| post(agent, config, signer, half))
         }
         Ok(reply) => judge_failure(&reply, "webhook", events.len()),

@@ -215,7 +215,7 @@ impl Health {
                     let retry = Verdict::Retry { error, retry_after };
                     return Judgement::Settle(vec![retry; batch.events.len()]);
                 }
-                self.not_blamed(batch.events.iter().map(|e| e.aggregate_id.as_str()));
+                self.note_failing(batch.events.iter().map(|e| e.aggregate_id.as_str()));
                 return self.give_back(error, retry_after, was_probe, now);
             }
         };
@@ -243,6 +243,9 @@ impl Health {
         let healthy =
             certain || self.shown_healthy(started, &failed) || self.lone_key_failing(&said, now);
         self.remember(&failed, now);
+        // blamed or not, a key that failed is remembered until the next success: a second key
+        // failing alone then is not "a poisoned key" but a sink failing every request
+        self.note_failing(said.iter().map(|(e, _)| e.aggregate_id.as_str()));
         if healthy {
             return Judgement::Settle(verdicts);
         }
@@ -254,7 +257,6 @@ impl Health {
             self.probe_failed(&error, retry_after, now);
             return Judgement::Settle(unsent(verdicts, &error, retry_after));
         }
-        self.not_blamed(said.iter().map(|(e, _)| e.aggregate_id.as_str()));
         self.give_back(error, retry_after, was_probe, now)
     }
 
@@ -272,7 +274,8 @@ impl Health {
                 .is_some_and(|t| now.duration_since(t) < LONE_KEY_WINDOW)
     }
 
-    fn not_blamed<'a>(&mut self, keys: impl Iterator<Item = &'a str>) {
+    /// Keys that failed since the last success (lone_key_failing).
+    fn note_failing<'a>(&mut self, keys: impl Iterator<Item = &'a str>) {
         for key in keys {
             if self.failing_keys.len() < 2 && !self.failing_keys.iter().any(|k| k == key) {
                 self.failing_keys.push(key.to_owned()); // two are enough to say "not one key"
@@ -519,6 +522,26 @@ mod tests {
         assert!(
             gave_back(&j),
             "another key failed since the last success: {j:?}"
+        );
+    }
+
+    #[test]
+    fn a_second_key_failing_alone_after_a_key_was_blamed_is_not_blamed() {
+        let mut h = Health::default();
+        let t0 = Instant::now();
+        h.judge(&batch(1, &["x"]), Outcome::all(1, Verdict::Delivered), t0);
+        let later = t0 + Duration::from_millis(1);
+        let j = h.judge(&batch(2, &["a"]), failed(1), later);
+        assert!(matches!(j, Judgement::Settle(_)), "a lone key: {j:?}");
+        let j = h.judge(&batch(3, &["a"]), failed(1), later);
+        assert!(
+            matches!(j, Judgement::Settle(_)),
+            "the same key again: {j:?}"
+        );
+        let j = h.judge(&batch(4, &["b"]), failed(1), later);
+        assert!(
+            gave_back(&j),
+            "a second key failing alone: every request fails, the sink's: {j:?}"
         );
     }
 
