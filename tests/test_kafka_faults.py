@@ -196,6 +196,27 @@ def test_a_topic_size_limit_lowered_by_mistake_suspends_the_sink_until_raised(co
     assert took < 5, f"delivered {took:.1f} s after the limit was raised"
 
 
+def test_one_topic_refusing_every_record_as_too_large_loses_none_while_the_others_deliver(conn, new_sink,
+                                                                                          kafka, topic):
+    """A sink sends to two topics; one of them has its max.message.bytes lowered far too far.
+    The other topic takes its records, so the sink is healthy, but the refusals are the topic's
+    setting, not the records': none is dead-lettered, they wait, and arrive in order once the
+    limit is raised. (The other topic's deliveries made each refusal look like the record's.)"""
+    limited = f"limited{next(_topics)}"
+    kafka.create_topic(limited, partitions=PARTITIONS, config={"max.message.bytes": "40"})
+    sink = kafka_sink(new_sink, kafka)
+    held = emit_keys(conn, limited, keys=3, per_key=3, prefix="x")
+    flowing = emit_keys(conn, topic, keys=3, per_key=3, prefix="y")
+    arrived, _ = first_arrivals(kafka.read(topic, expect=9, timeout=30))
+    assert arrived == flowing
+    time.sleep(3)
+    assert (status(conn, sink)["dead_letters"], status(conn, sink)["undelivered"]) == (0, 9)
+    kafka.set_topic_config(limited, "max.message.bytes", "1048588")
+    delivered_all(conn, sink, timeout=30)
+    arrived, _ = first_arrivals(kafka.read(limited, expect=9, timeout=60))
+    assert arrived == held and status(conn, sink)["dead_letters"] == 0
+
+
 def test_two_brokers_of_three_down_the_sink_waits_and_resumes(conn, cluster, deliver_db, new_sink, kafka, topic):
     """The worker is terminated while the sink waits: its successor waits too."""
     sink = kafka_sink(new_sink, kafka)

@@ -54,7 +54,19 @@ pub struct Producer {
     /// A producer of its own for records sent alone (send_refused_alone), one at a time under
     /// this lock: the live producer would put them in a record batch with other batches' records.
     alone: Mutex<Option<Arc<ThreadedProducer<Reports>>>>,
+    /// Per topic, when it last took a record of ours; per record refused alone, when it first
+    /// was (blame_only_where_the_topic_takes_records).
+    evidence: Mutex<TopicEvidence>,
 }
+
+#[derive(Default)]
+struct TopicEvidence {
+    taken_at: HashMap<String, Instant>,
+    refused_at: HashMap<String, Instant>,
+}
+
+/// Records refused alone remembered at most (forgetting one only delays its verdict).
+const REFUSED_KEPT: usize = 10_000;
 
 #[derive(Default)]
 struct Live {
@@ -74,6 +86,7 @@ impl Producer {
             settings,
             live: Mutex::default(),
             alone: Mutex::default(),
+            evidence: Mutex::default(),
         })
     }
 
@@ -120,7 +133,8 @@ impl Producer {
                 return Outcome::all(events.len(), unsent);
             }
         };
-        let deadline = deadline.min(Instant::now() + config.request_timeout);
+        let started = Instant::now();
+        let deadline = deadline.min(started + config.request_timeout);
         let batch = Arc::new(Batch::new(events.len()));
         // per key, its last record queued in this batch: (index, topic)
         let mut last: HashMap<&str, (usize, String)> = HashMap::new();
@@ -160,7 +174,14 @@ impl Producer {
             last.insert(key, (i, topic));
         }
         batch.wait(deadline);
-        self.send_refused_alone(config, events, &batch, deadline);
+        let refused_alone = self.send_refused_alone(config, events, &batch, deadline);
+        self.blame_only_where_the_topic_takes_records(
+            config,
+            events,
+            &batch,
+            &refused_alone,
+            started,
+        );
         if batch.nothing_through() {
             self.retire(&live);
         }
@@ -182,7 +203,8 @@ impl Producer {
         events: &[&Event],
         batch: &Arc<Batch>,
         deadline: Instant,
-    ) {
+    ) -> Vec<usize> {
+        let mut refused_alone = Vec::new();
         for i in batch.refused_for_content() {
             let key = events[i].aggregate_id.as_str();
             let earlier_failed = (0..i).any(|j| {
@@ -216,6 +238,53 @@ impl Producer {
             match produce(producer, config, events[i], &topic, batch, i, deadline) {
                 Err(verdict) => batch.report(i, verdict),
                 Ok(()) => drop(batch.wait_for(i, deadline)),
+            }
+            if matches!(batch.verdict(i), Some(Verdict::Reject { .. })) {
+                refused_alone.push(i);
+            }
+        }
+        refused_alone
+    }
+
+    /// A record a broker refused on its own is the record's only if its topic took another
+    /// record of ours since it was first refused so (or during its batch): a sink's health is
+    /// judged across its topics, and a topic whose max.message.bytes was lowered by mistake
+    /// refuses every record of its own while the other topics deliver. Until then it goes back
+    /// unsent, never blamed: it waits, in order.
+    fn blame_only_where_the_topic_takes_records(
+        &self,
+        config: &Config,
+        events: &[&Event],
+        batch: &Batch,
+        refused_alone: &[usize],
+        started: Instant,
+    ) {
+        let mut evidence = self.evidence.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        for (j, event) in events.iter().enumerate() {
+            if batch.verdict(j) == Some(Verdict::Delivered) {
+                evidence.taken_at.insert(kafka_topic(config, event), now);
+            }
+        }
+        if evidence.refused_at.len() + refused_alone.len() > REFUSED_KEPT {
+            evidence.refused_at.clear();
+        }
+        for &i in refused_alone {
+            let topic = kafka_topic(config, events[i]);
+            let since = *evidence
+                .refused_at
+                .entry(events[i].id.clone())
+                .or_insert(started);
+            let taken = evidence.taken_at.get(&topic).is_some_and(|&t| t >= since);
+            if let (false, Some(Verdict::Reject { error })) = (taken, batch.verdict(i)) {
+                let error = format!("{error} (no record to {topic} went through since)");
+                let unsent = Verdict::Unsent {
+                    error,
+                    retry_after: None,
+                };
+                batch.replace(i, unsent);
+            } else {
+                evidence.refused_at.remove(&events[i].id);
             }
         }
     }
