@@ -66,7 +66,7 @@ pub fn send(
                 return tally.finish(); // the rest goes back unsent
             }
             let records: Vec<&Event> = sent.iter().map(|&i| events[i]).collect();
-            let outcome = post_records(agent, config, &topic, &records);
+            let outcome = post_records(agent, config, &topic, &records, deadline);
             if let Outcome::Events(verdicts) = &outcome {
                 for (&i, v) in sent.iter().zip(verdicts) {
                     if *v != Verdict::Delivered {
@@ -124,7 +124,13 @@ fn rounds(events: &[&Event]) -> Vec<Vec<usize>> {
     rounds
 }
 
-fn post_records(agent: &ureq::Agent, config: &Config, topic: &str, events: &[&Event]) -> Outcome {
+fn post_records(
+    agent: &ureq::Agent,
+    config: &Config,
+    topic: &str,
+    events: &[&Event],
+    deadline: std::time::Instant,
+) -> Outcome {
     let base = config.url.trim_end_matches('/');
     let topic_path = escape_path(topic);
     let (url, content_type, body) = match config.kind {
@@ -158,7 +164,10 @@ fn post_records(agent: &ureq::Agent, config: &Config, topic: &str, events: &[&Ev
             retry_after: None,
         },
         Ok(reply) if refused_whole(config.kind, &reply) && events.len() > 1 => {
-            split(events, |half| post_records(agent, config, topic, half))
+            let late = || out_of_time(config, deadline);
+            split(events, late, |half| {
+                post_records(agent, config, topic, half, deadline)
+            })
         }
         Ok(reply) => judge_reply(config.kind, &reply, &what, events.len()),
     }

@@ -352,10 +352,18 @@ impl Tally {
 /// A request the sink refused for good (too large, or a 4xx: http::refuses_for_good), sent
 /// again as two halves, in order (and so on, down to single events: only an event refused
 /// alone is judged, not its batch-mates). Events of the second half whose key failed in the
-/// first are held back.
-pub fn split(events: &[&Event], send: impl Fn(&[&Event]) -> Outcome) -> Outcome {
+/// first are held back. No half is sent once `out_of_time()` (sinks::out_of_time, for the
+/// batch's deadline): what is left then goes back unsent.
+pub fn split(
+    events: &[&Event],
+    out_of_time: impl Fn() -> bool,
+    send: impl Fn(&[&Event]) -> Outcome,
+) -> Outcome {
     let first = &events[..events.len() / 2];
     let mut tally = Tally::new(events.len());
+    if out_of_time() {
+        return tally.finish();
+    }
     let outcome = send(first);
     let failed: Vec<&str> = match &outcome {
         Outcome::Events(verdicts) => first
@@ -375,7 +383,7 @@ pub fn split(events: &[&Event], send: impl Fn(&[&Event]) -> Outcome) -> Outcome 
     for i in held {
         tally.set(i, held_back());
     }
-    if !sent.is_empty() {
+    if !sent.is_empty() && !out_of_time() {
         let part: Vec<&Event> = sent.iter().map(|&i| events[i]).collect();
         if let Some(stop) = tally.record(&sent, send(&part)) {
             return stop;
@@ -471,24 +479,49 @@ mod tests {
     }
 
     #[test]
+    fn a_split_sends_no_half_past_its_deadline() {
+        let events: Vec<Event> = ["a", "b", "c", "d"].map(test_event).to_vec();
+        let refs: Vec<&Event> = events.iter().collect();
+        let sent = std::cell::Cell::new(0);
+        let outcome = split(
+            &refs,
+            || sent.get() > 0,
+            |part| {
+                sent.set(sent.get() + 1);
+                Outcome::all(part.len(), Verdict::Delivered)
+            },
+        );
+        assert_eq!(sent.get(), 1, "the second half is not sent late");
+        let Outcome::Events(v) = outcome else {
+            panic!("expected verdicts")
+        };
+        assert_eq!(v[..2], [Verdict::Delivered, Verdict::Delivered]);
+        assert!(v[2..].iter().all(|v| matches!(v, Verdict::Unsent { .. })));
+    }
+
+    #[test]
     fn a_split_request_holds_back_the_second_half_of_a_failed_key() {
         let events: Vec<Event> = ["a", "bad", "b", "bad"].map(test_event).to_vec();
         let refs: Vec<&Event> = events.iter().collect();
         let sent = std::cell::RefCell::new(Vec::new());
-        let outcome = split(&refs, |part| {
-            sent.borrow_mut().push(part.len());
-            Outcome::Events(
-                part.iter()
-                    .map(|e| match e.aggregate_id.as_str() {
-                        "bad" => Verdict::Retry {
-                            error: "500".into(),
-                            retry_after: None,
-                        },
-                        _ => Verdict::Delivered,
-                    })
-                    .collect(),
-            )
-        });
+        let outcome = split(
+            &refs,
+            || false,
+            |part| {
+                sent.borrow_mut().push(part.len());
+                Outcome::Events(
+                    part.iter()
+                        .map(|e| match e.aggregate_id.as_str() {
+                            "bad" => Verdict::Retry {
+                                error: "500".into(),
+                                retry_after: None,
+                            },
+                            _ => Verdict::Delivered,
+                        })
+                        .collect(),
+                )
+            },
+        );
         assert_eq!(
             *sent.borrow(),
             vec![2, 1],

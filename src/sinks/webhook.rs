@@ -60,7 +60,7 @@ pub fn send(
             if out_of_time(config, deadline) {
                 break; // the rest goes back unsent
             }
-            let outcome = post(agent, config, signer, &[event]);
+            let outcome = post(agent, config, signer, &[event], deadline);
             if matches!(&outcome, Outcome::Events(v) if v.iter().any(|v| *v != Verdict::Delivered))
             {
                 failed.push(&event.aggregate_id);
@@ -71,7 +71,7 @@ pub fn send(
         }
         tally.finish()
     } else {
-        post(agent, config, signer, events)
+        post(agent, config, signer, events, deadline)
     }
 }
 
@@ -80,6 +80,7 @@ fn post(
     config: &Config,
     signer: Option<&Signer>,
     events: &[&Event],
+    deadline: std::time::Instant,
 ) -> Outcome {
     let Some(first) = events.first() else {
         return Outcome::Events(Vec::new());
@@ -114,7 +115,10 @@ fn post(
             Outcome::all(events.len(), Verdict::Delivered)
         }
         Ok(reply) if http::refuses_for_good(reply.status) && events.len() > 1 => {
-            split(events, |half| post(agent, config, signer, half))
+            let late = || out_of_time(config, deadline);
+            split(events, late, |half| {
+                post(agent, config, signer, half, deadline)
+            })
         }
         Ok(reply) => judge_failure(&reply, "webhook", events.len()),
     }
