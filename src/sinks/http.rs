@@ -248,7 +248,8 @@ pub fn host_of(url: &str) -> &str {
 /// - throttling (429, or 503 with a Retry-After: load shed): never the events' fault,
 ///   whatever else the sink does: they go back unsent and the sink is slowed;
 /// - a sink that is unavailable, refuses our credentials or moved (401, 403, 404, 407, 410,
-///   502, 503, 504, a CDN's 520-530 for an origin it cannot reach, redirects): about the sink;
+///   502, 503, 504, a CDN's 520-530 for an origin it cannot reach, redirects), or our
+///   connection or headers (421, 426, 431: the sink's settings): about the sink;
 /// - 408, 409, 423, 425 (busy with the same event, locked, too early) and other 5xx may be
 ///   caused by the events, or pass: retried per key, with backoff;
 /// - any other 4xx (400, 413, 422, ...) refuses the events for good, as far as the sink says
@@ -263,7 +264,7 @@ pub fn judge_failure(reply: &Reply, what: &str, n: usize) -> Outcome {
     match reply.status {
         429 => Outcome::all(n, Verdict::Unsent { error, retry_after }),
         503 if retry_after.is_some() => Outcome::all(n, Verdict::Unsent { error, retry_after }),
-        401 | 403 | 404 | 407 | 410 | 502..=504 | 520..=530 | 300..=399 => {
+        401 | 403 | 404 | 407 | 410 | 421 | 426 | 431 | 502..=504 | 520..=530 | 300..=399 => {
             Outcome::SinkDown { error, retry_after }
         }
         status if refuses_for_good(status) => Outcome::all(n, Verdict::Reject { error }),
@@ -278,7 +279,7 @@ pub fn refuses_for_good(status: u16) -> bool {
     (400..500).contains(&status)
         && !matches!(
             status,
-            401 | 403 | 404 | 407 | 408 | 409 | 410 | 423 | 425 | 429
+            401 | 403 | 404 | 407 | 408 | 409 | 410 | 421 | 423 | 425 | 426 | 429 | 431
         )
 }
 
@@ -384,7 +385,9 @@ mod tests {
             retry_after: None,
             body: String::new(),
         };
-        for status in [401, 403, 404, 407, 410, 503, 502, 504, 521, 530, 301] {
+        for status in [
+            401, 403, 404, 407, 410, 421, 431, 503, 502, 504, 521, 530, 301,
+        ] {
             assert!(matches!(
                 judge_failure(&reply(status), "x", 1),
                 Outcome::SinkDown { .. }

@@ -21,6 +21,12 @@
 //!   after the producer is replaced (Producer::retire), never ahead of an earlier record of
 //!   its key.
 //!
+//! A record a broker refuses for its content (too large, not valid) is produced again alone,
+//! through a second producer (`alone`, one record at a time) before it is judged: a broker
+//! refuses a whole record batch for one record of it. That producer holds nothing once its
+//! record is reported or its batch is over (torn down when no report came), so no copy of it
+//! outlives its batch unseen by the next batch of its key.
+//!
 //! The producer lives on the delivery threads (created on first use, where every signal is
 //! blocked, so its threads inherit that mask) and never calls into PostgreSQL.
 
@@ -182,6 +188,10 @@ impl Producer {
             &refused_alone,
             started,
         );
+        // a refusal reported since (too late to be resent alone) proves nothing of its record
+        for i in batch.refused_for_content() {
+            batch.replace(i, not_sent_alone("refused after its batch's resends"));
+        }
         if batch.nothing_through() {
             self.retire(&live);
         }
@@ -214,17 +224,19 @@ impl Producer {
                 batch.replace(i, held_back());
                 continue;
             }
-            let mut alone = self.alone.lock().unwrap_or_else(|e| e.into_inner());
-            if Instant::now() >= deadline {
+            let Some(mut alone) = lock_until(&self.alone, deadline) else {
                 batch.replace(i, not_sent_alone("no time left"));
                 continue;
-            }
+            };
             if alone
                 .as_ref()
                 .is_none_or(|p| p.client().fatal_error().is_some())
             {
-                let fresh =
-                    (self.settings.create_with_context(Reports::default()).ok()).map(Arc::new);
+                // not gapless: a refusal would end it (a fatal error) each time; it has one
+                // record out at a time, so no gap can open behind one
+                let mut settings = self.settings.clone();
+                settings.set("enable.gapless.guarantee", "false");
+                let fresh = (settings.create_with_context(Reports::default()).ok()).map(Arc::new);
                 if let Some(old) = std::mem::replace(&mut *alone, fresh) {
                     tear_down(old); // a fatal error ended it
                 }
@@ -239,8 +251,17 @@ impl Producer {
                 Err(verdict) => batch.report(i, verdict),
                 Ok(()) => drop(batch.wait_for(i, deadline)),
             }
-            if matches!(batch.verdict(i), Some(Verdict::Reject { .. })) {
-                refused_alone.push(i);
+            batch.judged_alone(i);
+            match batch.verdict(i) {
+                Some(Verdict::Reject { .. }) => refused_alone.push(i),
+                // no report by the deadline: the copy it holds would go unseen by the next
+                // batch of its key (the live producer's Copies), so it holds none
+                None => {
+                    if let Some(old) = alone.take() {
+                        tear_down(old);
+                    }
+                }
+                Some(_) => {}
             }
         }
         refused_alone
@@ -401,6 +422,21 @@ fn produce(
     }
 }
 
+/// The lock, waited for until `deadline` at most (another batch may hold it while its record
+/// sent alone awaits its report).
+fn lock_until<T>(lock: &Mutex<T>, deadline: Instant) -> Option<std::sync::MutexGuard<'_, T>> {
+    loop {
+        match lock.try_lock() {
+            Ok(guard) => return Some(guard),
+            Err(std::sync::TryLockError::Poisoned(e)) => return Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                std::thread::sleep(QUEUE_FULL_WAIT)
+            }
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        }
+    }
+}
+
 /// A record a broker refused with others that could not be sent alone: never blamed.
 fn not_sent_alone(why: &str) -> Verdict {
     Verdict::Unsent {
@@ -499,14 +535,23 @@ impl Batch {
         }
     }
 
-    /// A broker refused record i for its content (refused_for_content).
+    /// A broker refused record i for its content (refused_for_content): reported, and marked
+    /// to be resent alone, unless it has its verdict already.
     fn report_refused(&self, i: usize, verdict: Verdict) {
         let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(flag) = verdicts.refused.get_mut(i) {
-            *flag = true;
+        if verdicts.of.get(i).is_some_and(Option::is_none) {
+            verdicts.refused[i] = true;
         }
         drop(verdicts);
         self.report(i, verdict);
+    }
+
+    /// Record i's report came while it was sent alone: whatever it says is about the record.
+    fn judged_alone(&self, i: usize) {
+        let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
+        if verdicts.of.get(i).is_some_and(Option::is_some) {
+            verdicts.refused[i] = false;
+        }
     }
 
     /// The records a broker refused for their content, in batch order.
@@ -762,15 +807,15 @@ impl ProducerContext for Reports {
             }
             Err((error, _)) => judge(error, Side::Broker),
         };
-        if refused && !batch.over.load(Ordering::Relaxed) {
-            // before the copies: report() below then leaves the verdict as it is
-            batch.report_refused(i, verdict.clone());
-        }
         let waiting = self
             .copies()
             .reported(&id, (batch, i), verdict == Verdict::Delivered);
         for (waiting, j) in waiting {
-            waiting.report(j, verdict.clone());
+            match refused {
+                // any batch waiting for it resends it alone before judging (send_refused_alone)
+                true => waiting.report_refused(j, verdict.clone()),
+                false => waiting.report(j, verdict.clone()),
+            }
         }
     }
 }

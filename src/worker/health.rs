@@ -9,9 +9,11 @@
 //! - the sink delivered something since this event last failed (its earlier failure was
 //!   remembered here), or
 //! - the failed request carried one key's events, the sink answered it as about those events
-//!   (a 5xx, 408 or 4xx other than 401/403/404/407/410/429), delivered other events within
-//!   the last 30 s, and no other key has failed since: a poisoned key on a sink that is
-//!   otherwise idle is still dead-lettered. (One key's events failing alone within 30 s of a
+//!   (a retry or a refusal: src/sinks/http.rs judge_failure), delivered other events within
+//!   the last 30 s, and no other key has been answered so since: a poisoned key on a sink
+//!   that is otherwise idle is still dead-lettered. (Not so a record a Kafka broker refuses:
+//!   src/sinks/kafka.rs blames it only once its topic takes another record, so on an idle
+//!   topic it waits, uncounted.) (One key's events failing alone within 30 s of a
 //!   success is all that tells the two apart; a sink with a single key in flight can so have
 //!   its attempts counted in the first 30 s of an outage.)
 //!
@@ -112,7 +114,8 @@ pub struct Health {
     /// When the newest request that delivered something started, and when it was judged.
     last_success_start: Option<Instant>,
     last_success_at: Option<Instant>,
-    /// Keys whose failures were not blamed on them since the last success.
+    /// Keys the sink answered as about their events since the last success, blamed or not
+    /// (two at most: enough to say "not one key").
     failing_keys: Vec<String>,
     /// Events that failed, and when: the sink delivering anything since shows the next
     /// failure of the same event to be the event's.
@@ -243,9 +246,11 @@ impl Health {
         let healthy =
             certain || self.shown_healthy(started, &failed) || self.lone_key_failing(&said, now);
         self.remember(&failed, now);
-        // blamed or not, a key that failed is remembered until the next success: a second key
-        // failing alone then is not "a poisoned key" but a sink failing every request
-        self.note_failing(said.iter().map(|(e, _)| e.aggregate_id.as_str()));
+        // blamed or not, a key the sink answered as about its events is remembered until the
+        // next success: a second key failing alone then is not "a poisoned key" but a sink
+        // failing every request
+        let about_events = said.iter().filter(|(_, v)| about_the_event(v));
+        self.note_failing(about_events.map(|(e, _)| e.aggregate_id.as_str()));
         if healthy {
             return Judgement::Settle(verdicts);
         }
@@ -378,11 +383,15 @@ impl Health {
 /// Whether the failures the sink reported were all of one key, and answered as about it (a
 /// 5xx, 408, or a 4xx other than 401/403/404/407/410/429).
 fn one_key_about_it(said: &[(&crate::sinks::Event, &Verdict)]) -> bool {
-    let about_the_event = |v: &Verdict| matches!(v, Verdict::Retry { .. } | Verdict::Reject { .. });
     said.first().is_some_and(|(first, _)| {
         said.iter()
             .all(|(e, v)| e.aggregate_id == first.aggregate_id && about_the_event(v))
     })
+}
+
+/// A failure the sink answered as about the event (not "unsent", not decided before sending).
+fn about_the_event(v: &Verdict) -> bool {
+    matches!(v, Verdict::Retry { .. } | Verdict::Reject { .. })
 }
 
 /// The verdicts with every failure turned into "not sent": nothing is counted.
