@@ -142,24 +142,26 @@ impl Producer {
         let started = Instant::now();
         let deadline = deadline.min(started + config.request_timeout);
         let batch = Arc::new(Batch::new(events.len()));
-        // per key, its last record queued in this batch: (index, topic)
-        let mut last: HashMap<&str, (usize, String)> = HashMap::new();
+        let topics: Vec<String> = events.iter().map(|e| kafka_topic(config, e)).collect();
+        // per key, the index of its last record queued in this batch
+        let mut last: HashMap<&str, usize> = HashMap::new();
         for (i, event) in events.iter().enumerate() {
             let key = event.aggregate_id.as_str();
-            let topic = kafka_topic(config, event);
+            let topic = &topics[i];
             let go_on = match last.get(key) {
                 None => true,
-                Some((j, earlier_topic)) => {
+                Some(&j) => {
                     // another topic is another partition, which the producer does not order
                     // with this one: the earlier record must be in before this one goes
-                    let earlier = match *earlier_topic == topic {
-                        true => batch.verdict(*j),
-                        false => batch.wait_for(*j, deadline),
+                    let same_topic = topics[j] == *topic;
+                    let earlier = match same_topic {
+                        true => batch.verdict(j),
+                        false => batch.wait_for(j, deadline),
                     };
                     // any failure holds the key's later events back (outbox.settle keeps
                     // them back whatever is reported: sent now, they would go twice)
                     match earlier {
-                        None => *earlier_topic == topic,
+                        None => same_topic,
                         Some(v) => v == Verdict::Delivered,
                     }
                 }
@@ -170,19 +172,19 @@ impl Producer {
                     EarlierCopy::Queued => None,
                     EarlierCopy::Delivered => Some(Verdict::Delivered),
                     EarlierCopy::NotQueued => {
-                        produce(&live, config, event, &topic, &batch, i, deadline).err()
+                        produce(&live, config, event, topic, &batch, i, deadline).err()
                     }
                 },
             };
             if let Some(verdict) = verdict {
                 batch.report(i, verdict);
             }
-            last.insert(key, (i, topic));
+            last.insert(key, i);
         }
         batch.wait(deadline);
-        let refused_alone = self.send_refused_alone(config, events, &batch, deadline);
+        let refused_alone = self.send_refused_alone(config, events, &topics, &batch, deadline);
         self.blame_only_where_the_topic_takes_records(
-            config,
+            &topics,
             events,
             &batch,
             &refused_alone,
@@ -211,6 +213,7 @@ impl Producer {
         &self,
         config: &Config,
         events: &[&Event],
+        topics: &[String],
         batch: &Arc<Batch>,
         deadline: Instant,
     ) -> Vec<usize> {
@@ -232,12 +235,7 @@ impl Producer {
                 .as_ref()
                 .is_none_or(|p| p.client().fatal_error().is_some())
             {
-                // not gapless: a refusal would end it (a fatal error) each time; it has one
-                // record out at a time, so no gap can open behind one
-                let mut settings = self.settings.clone();
-                settings.set("enable.gapless.guarantee", "false");
-                let fresh = (settings.create_with_context(Reports::default()).ok()).map(Arc::new);
-                if let Some(old) = std::mem::replace(&mut *alone, fresh) {
+                if let Some(old) = std::mem::replace(&mut *alone, self.alone_producer()) {
                     tear_down(old); // a fatal error ended it
                 }
             }
@@ -246,12 +244,10 @@ impl Producer {
                 continue;
             };
             batch.replace_later(i);
-            let topic = kafka_topic(config, events[i]);
-            match produce(producer, config, events[i], &topic, batch, i, deadline) {
+            match produce(producer, config, events[i], &topics[i], batch, i, deadline) {
                 Err(verdict) => batch.report(i, verdict),
                 Ok(()) => drop(batch.wait_for(i, deadline)),
             }
-            batch.judged_alone(i);
             match batch.verdict(i) {
                 Some(Verdict::Reject { .. }) => refused_alone.push(i),
                 // no report by the deadline: the copy it holds would go unseen by the next
@@ -267,6 +263,19 @@ impl Producer {
         refused_alone
     }
 
+    /// A producer for records sent alone: its reports are about its one record
+    /// (Reports::sends_alone), and it is not gapless, or a refusal would end it (a fatal
+    /// error) each time; with one record out at a time no gap can open behind one.
+    fn alone_producer(&self) -> Option<Arc<ThreadedProducer<Reports>>> {
+        let mut settings = self.settings.clone();
+        settings.set("enable.gapless.guarantee", "false");
+        let reports = Reports {
+            sends_alone: true,
+            ..Reports::default()
+        };
+        settings.create_with_context(reports).ok().map(Arc::new)
+    }
+
     /// A record a broker refused on its own is the record's only if its topic took another
     /// record of ours since it was first refused so (or during its batch): a sink's health is
     /// judged across its topics, and a topic whose max.message.bytes was lowered by mistake
@@ -274,29 +283,32 @@ impl Producer {
     /// unsent, never blamed: it waits, in order.
     fn blame_only_where_the_topic_takes_records(
         &self,
-        config: &Config,
+        topics: &[String],
         events: &[&Event],
         batch: &Batch,
         refused_alone: &[usize],
         started: Instant,
     ) {
         let mut evidence = self.evidence.lock().unwrap_or_else(|e| e.into_inner());
+        if refused_alone.is_empty() && evidence.refused_at.is_empty() {
+            return; // no refusal to judge, now or later: the clean path does no more
+        }
         let now = Instant::now();
-        for (j, event) in events.iter().enumerate() {
+        for (j, topic) in topics.iter().enumerate() {
             if batch.verdict(j) == Some(Verdict::Delivered) {
-                evidence.taken_at.insert(kafka_topic(config, event), now);
+                evidence.taken_at.insert(topic.clone(), now);
             }
         }
         if evidence.refused_at.len() + refused_alone.len() > REFUSED_KEPT {
             evidence.refused_at.clear();
         }
         for &i in refused_alone {
-            let topic = kafka_topic(config, events[i]);
+            let topic = &topics[i];
             let since = *evidence
                 .refused_at
                 .entry(events[i].id.clone())
                 .or_insert(started);
-            let taken = evidence.taken_at.get(&topic).is_some_and(|&t| t >= since);
+            let taken = evidence.taken_at.get(topic).is_some_and(|&t| t >= since);
             if let (false, Some(Verdict::Reject { error })) = (taken, batch.verdict(i)) {
                 let error = format!("{error} (no record to {topic} went through since)");
                 let unsent = Verdict::Unsent {
@@ -546,14 +558,6 @@ impl Batch {
         self.report(i, verdict);
     }
 
-    /// Record i's report came while it was sent alone: whatever it says is about the record.
-    fn judged_alone(&self, i: usize) {
-        let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
-        if verdicts.of.get(i).is_some_and(Option::is_some) {
-            verdicts.refused[i] = false;
-        }
-    }
-
     /// The records a broker refused for their content, in batch order.
     fn refused_for_content(&self) -> Vec<usize> {
         let verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
@@ -666,6 +670,8 @@ struct Reports {
     has_error: AtomicBool,
     /// The records this producer queued, while what became of them matters.
     copies: Mutex<Copies>,
+    /// The producer of records sent alone (Producer::alone_producer).
+    sends_alone: bool,
 }
 
 /// The records a producer queued, by event id, while what became of them matters (see the
@@ -797,7 +803,9 @@ impl ProducerContext for Reports {
 
     fn delivery(&self, result: &DeliveryResult<'_>, opaque: Self::DeliveryOpaque) {
         let (batch, i, id) = *opaque;
-        let refused = result.as_ref().is_err_and(|(e, _)| refused_for_content(e));
+        // a refusal of a record sent alone is about it; else perhaps about a batch-mate
+        let refused =
+            !self.sends_alone && result.as_ref().is_err_and(|(e, _)| refused_for_content(e));
         let verdict = match result {
             Ok(_) => {
                 if self.has_error.swap(false, Ordering::Relaxed) {
