@@ -35,9 +35,11 @@ CREATE TABLE IF NOT EXISTS outbox._shards (
 );
 
 -- Refuses a transaction at REPEATABLE READ or SERIALIZABLE (25000): what locks a shard (or a
--- consumer's shards) must then read what others committed before it got the lock, which a
--- snapshot taken before the lock does not show. A claim would hand out a batch another relay
--- holds, under the same epoch, and two relays would deliver the same key at once.
+-- consumer's shards, or what emits write to) must then read what others committed before it
+-- got the lock, which a snapshot taken before the lock does not show. A claim would hand out a
+-- batch another relay holds, under the same epoch, and two relays would deliver the same key
+-- at once; maintain() and the drop guard would take an event committed since for delivered,
+-- and drop it.
 CREATE OR REPLACE FUNCTION outbox_internal._check_read_committed(what text) RETURNS void
     LANGUAGE plpgsql STABLE
 AS $$
@@ -46,8 +48,8 @@ BEGIN
         RAISE EXCEPTION '% must run at READ COMMITTED, not %', what,
                 pg_catalog.upper(pg_catalog.current_setting('transaction_isolation'))
             USING ERRCODE = 'invalid_transaction_state',
-                  DETAIL = 'It locks shards and then reads what other relays committed, which a '
-                           'snapshot taken before the lock does not show.',
+                  DETAIL = 'It locks what others write and then reads what they committed, which '
+                           'a snapshot taken before the lock does not show.',
                   HINT = 'Call it in a READ COMMITTED transaction (the default isolation level), '
                          'e.g. after SET default_transaction_isolation = ''read committed''.';
     END IF;

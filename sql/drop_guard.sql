@@ -9,16 +9,24 @@
 --
 -- Rerunnable.
 
--- What would be lost, per consumer, or NULL when nothing would.
+-- What would be lost, per consumer, or NULL when nothing would. The events table is locked
+-- first, as the drop would lock it, and read after: an emit in progress when the statement
+-- came would otherwise commit unseen before the drop got its lock, and go with the table. So
+-- at READ COMMITTED only (_check_read_committed), where each statement reads what is
+-- committed when it starts.
 CREATE OR REPLACE FUNCTION outbox_internal._undelivered() RETURNS text
-    LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-BEGIN ATOMIC
-    SELECT string_agg(format('%s: %s pending, %s parked keys, %s dead letters',
-                             s.consumer, s.pending, s.parked_keys, s.dead_letters), '; '
-                      ORDER BY s.consumer)
-      FROM outbox.status s
-     WHERE s.pending > 0 OR s.parked_keys > 0 OR s.dead_letters > 0;
-END;
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM outbox_internal._check_read_committed('a statement that drops outbox_ext');
+    LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE;
+    RETURN (SELECT string_agg(format('%s: %s pending, %s parked keys, %s dead letters',
+                                     s.consumer, s.pending, s.parked_keys, s.dead_letters), '; '
+                              ORDER BY s.consumer)
+              FROM outbox.status s
+             WHERE s.pending > 0 OR s.parked_keys > 0 OR s.dead_letters > 0);
+END
+$$;
 
 CREATE OR REPLACE FUNCTION outbox_internal._guard_drop() RETURNS event_trigger
     LANGUAGE c AS 'MODULE_PATHNAME', 'outbox_guard_drop';

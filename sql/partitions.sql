@@ -265,8 +265,11 @@ $$;
 -- upper bound (emit's created_at is the transaction's start, so it may still write there),
 -- and no transaction, prepared ones included, holds a lock on it (it has written there).
 -- Then no consumer may have an event of it pending (outbox_internal._pending, sql/cursors.sql).
+-- VOLATILE, so that this last read takes its snapshot after the first two: a STABLE function
+-- reads with its caller's, taken before them, which does not show the events of a transaction
+-- that ended in between (and that the first two then no longer show either).
 CREATE OR REPLACE FUNCTION outbox_internal._partition_pending(part regclass, upper timestamptz) RETURNS text
-    LANGUAGE plpgsql STABLE SET search_path = pg_catalog, pg_temp
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     pending boolean;
@@ -621,6 +624,9 @@ BEGIN
     IF pg_is_in_recovery() THEN
         RETURN;  -- a replica follows its primary's maintenance
     END IF;
+    -- a partition's events are read before it is dropped: at READ COMMITTED, with a snapshot
+    -- taken after the transactions that may write there are known to have ended
+    PERFORM outbox_internal._check_read_committed('outbox.maintain()');
     skipped := outbox_internal._maint_lock();
     IF skipped IS NOT NULL THEN
         RETURN QUERY SELECT 'skipped', NULL::text, skipped;

@@ -17,12 +17,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import psycopg
 import pytest
 
 from conftest import MAJORS, TEMPLATE
+from support.db import waits_for_a_lock
 from support.events import emit_keys
 from support.peers import Receiver, check_delivery, create_sink, wait_for
 from support.pgcluster import Cluster, as_postgres
@@ -481,6 +483,52 @@ def test_drop_owned_by_outbox_exts_owner_is_refused(cluster, new_database):
             db.execute("SET outbox_ext.drop_undelivered = on")
             db.execute(f"DROP OWNED BY {owner}")
             db.execute(f"DROP ROLE {owner}")
+
+
+def test_an_emit_in_progress_when_the_drop_comes_is_waited_for_and_counted(db, connect):
+    """The guard read what was undelivered before DROP EXTENSION locked the events table: an
+    emit still in progress then committed unseen while the drop waited for its lock, and went
+    with the table. The guard now locks the table first and reads after: refused (2BP01)."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    writer = connect(autocommit=False)
+    writer.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
+    dropper = connect()
+    outcome: dict[str, object] = {}
+
+    def drop() -> None:
+        try:
+            dropper.execute("DROP EXTENSION outbox_ext")
+            outcome["dropped"] = True
+        except psycopg.Error as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=drop)
+    thread.start()
+    waits_for_a_lock(db, dropper.info.backend_pid)
+    writer.commit()
+    thread.join(30)
+    assert "dropped" not in outcome, "the emit committed while the drop waited went with the table"
+    assert isinstance(outcome["error"], psycopg.errors.DependentObjectsStillExist), outcome
+    assert "c: 1 pending" in outcome["error"].diag.message_detail
+    assert db.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 1
+
+
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_a_drop_in_a_snapshot_older_than_its_lock_is_refused(db, connect, level):
+    """In a REPEATABLE READ or SERIALIZABLE transaction the guard can read only what its
+    snapshot shows: an event committed since was dropped with the table. Refused (25000)
+    while drop_undelivered is off; at READ COMMITTED the drop goes on as before."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    dropper = connect(autocommit=False)
+    dropper.execute(f"BEGIN ISOLATION LEVEL {level}")
+    dropper.execute("SELECT count(*) FROM outbox.events")     # its snapshot: nothing pending
+    db.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
+    with pytest.raises(psycopg.errors.InvalidTransactionState, match="READ COMMITTED"):
+        dropper.execute("DROP EXTENSION outbox_ext")
+    dropper.rollback()
+    assert db.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 1
+    Relay(db, "c").drain()
+    db.execute("DROP EXTENSION outbox_ext")
 
 
 def test_drop_extension_with_nothing_pending_drops(db):

@@ -4,6 +4,9 @@ when past retention and read by every consumer, safe when run twice at once."""
 import threading
 import time
 
+import psycopg
+import pytest
+
 from support.db import insert_event_at, waits_for_a_lock
 from support.relay import Relay
 
@@ -88,6 +91,38 @@ def test_an_open_transaction_keeps_its_partition(db, connect):
     Relay(db, "c").drain()
     assert ("kept", part) in [(a, r) for a, r, _ in maintain(db)]
     writer.commit()
+    assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["late"]
+    assert ("dropped", part) in [(a, r) for a, r, _ in maintain(db)]
+
+
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_a_run_in_a_snapshot_older_than_the_writers_is_refused(db, connect, level):
+    """maintain() reads a partition's events once the transactions that may write there have
+    ended. In a REPEATABLE READ or SERIALIZABLE transaction that read used a snapshot taken
+    before: an event committed since was not seen, and its partition was dropped with it.
+    Refused (25000); the event stays and is delivered."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    insert_event_at(db, "old", "-10 days")
+    maintain(db)
+    part = partition_of(db, "old")
+    writer = connect(autocommit=False)
+    insert_event_at(writer, "late", "-10 days")   # uncommitted, lands in the same old partition
+    forget_seals(db)
+    Relay(db, "c").drain()
+    runner = connect(autocommit=False)
+    runner.execute(f"BEGIN ISOLATION LEVEL {level}")
+    runner.execute("SELECT count(*) FROM outbox.events")   # its snapshot, before the commit
+    writer.commit()
+    try:
+        actions = maintain(runner)
+        runner.commit()
+    except psycopg.errors.InvalidTransactionState as e:
+        runner.rollback()
+        actions = e
+    assert isinstance(actions, Exception) or ("dropped", part) not in [(a, r) for a, r, _ in actions], \
+        "the partition went with an event committed since"
+    assert isinstance(actions, psycopg.errors.InvalidTransactionState), actions
+    assert "READ COMMITTED" in str(actions)
     assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["late"]
     assert ("dropped", part) in [(a, r) for a, r, _ in maintain(db)]
 
