@@ -169,6 +169,42 @@ def test_a_fatal_record_error_dead_letters_that_event_only(conn, new_sink, kafka
     assert {"n": 3} in [json.loads(r["value"]) for r in records]
 
 
+@pytest.mark.parametrize("kind", ["kafka_rest_v2", "kafka_rest_v3"])
+def test_a_record_over_the_topics_size_limit_takes_no_batch_mate_with_it(conn, new_sink, kafka, topic, kind):
+    """A broker refuses a whole record batch for one record over the topic's max.message.bytes,
+    and the proxy reports the refusal (50002) for every record of it. Counted, its batch-mates
+    of other keys were dead-lettered with it (max_attempts 1; the batch's record for another
+    topic went through, so the sink was shown healthy). Each is now sent again alone first:
+    only the oversized record is dead-lettered; the others arrive, in order."""
+    limited = f"limited{next(_later)}"
+    kafka.create_topic(limited, partitions=1, config={"max.message.bytes": "4000"})
+    front = KafkaRestFront(kafka.bootstrap(), {topic, limited})
+    try:
+        sink = new_sink(kind, front.url, cluster_id=KafkaRestFront.CLUSTER, max_attempts=1, batch_size=50)
+        shard = conn.execute("SELECT outbox.shard_of('big')").fetchone()[0]
+        keys = [k for (k,) in conn.execute(
+            "SELECT k FROM (SELECT 'k' || i AS k FROM generate_series(1, 5000) i) s"
+            " WHERE outbox.shard_of(k) = %s LIMIT 5", (shard,))]   # one shard: one batch
+        other, mates = keys[0], keys[1:]
+        emit = "SELECT outbox.emit('order', %s, 'e', %s::jsonb, NULL, %s)"
+        with conn.transaction():
+            conn.execute(emit, (other, json.dumps({"key": other}), topic))
+            for k in mates[:3]:
+                conn.execute(emit, (k, json.dumps({"key": k, "i": 0}), limited))
+            conn.execute(emit, ("big", json.dumps({"pad": "x" * 10_000}), limited))
+            for k in mates:
+                conn.execute(emit, (k, json.dumps({"key": k, "i": 1}), limited))
+        sent = {k: [{"key": k, "i": i} for i in (range(2) if k in mates[:3] else [1])] for k in mates}
+        assert len(kafka.read(topic, expect=1, timeout=60)) == 1
+        records = kafka.read(limited, expect=7, timeout=60)
+        dead = wait_for(lambda: conn.execute("SELECT aggregate_id FROM outbox.dead_letters WHERE consumer = %s",
+                                             (sink,)).fetchall())
+        assert dead == [("big",)], "only the oversized record is dead-lettered"
+        check_partitions(records, sent)
+    finally:
+        front.close()
+
+
 def test_an_unknown_topic_suspends_the_sink_dead_letters_nothing_and_resumes_once_made(conn, new_sink, kafka, front):
     sink = new_sink("kafka_rest_v2", front.url, max_attempts=2)
     missing = f"later{next(_later)}"

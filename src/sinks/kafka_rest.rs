@@ -169,8 +169,61 @@ fn post_records(
                 post_records(agent, config, topic, half, deadline)
             })
         }
-        Ok(reply) => judge_reply(config.kind, &reply, &what, events.len()),
+        Ok(reply) => {
+            let outcome = judge_reply(config.kind, &reply, &what, events.len());
+            let retried = |v: &Verdict| matches!(v, Verdict::Retry { .. });
+            let some_retried = matches!(&outcome, Outcome::Events(v) if v.iter().any(retried));
+            if events.len() > 1 && some_retried {
+                let alone = refused_perhaps_for_a_batch_mate(config.kind, &reply);
+                let late = || out_of_time(config, deadline);
+                resend_alone(outcome, &alone, events, late, |one| {
+                    post_records(agent, config, topic, one, deadline)
+                })
+            } else {
+                outcome
+            }
+        }
     }
+}
+
+/// Records refused perhaps for a batch-mate's sake (record_failure), in a request of several:
+/// each is sent again in a request of its own, in order, so that only a record refused alone
+/// is counted (as `split` does for a request refused whole). A broker refuses a whole record
+/// batch for one record too large, and a proxy reports the refusal for every record of it:
+/// counted, the batch-mates of one oversized record were dead-lettered with `max_attempts` 1.
+/// The records of one request are of distinct keys (rounds), so this reorders no key. A record
+/// with no time left, or whose request finds the proxy down, goes back unsent, not counted.
+fn resend_alone(
+    outcome: Outcome,
+    alone: &[bool],
+    events: &[&Event],
+    out_of_time: impl Fn() -> bool,
+    send: impl Fn(&[&Event]) -> Outcome,
+) -> Outcome {
+    let Outcome::Events(mut verdicts) = outcome else {
+        return outcome;
+    };
+    for (i, verdict) in verdicts.iter_mut().enumerate() {
+        if !alone.get(i).copied().unwrap_or(false) {
+            continue;
+        }
+        if out_of_time() {
+            *verdict = Verdict::Unsent {
+                error: "refused with its batch-mates; no time left to send it alone".into(),
+                retry_after: None,
+            };
+            continue;
+        }
+        *verdict = match send(&events[i..=i]) {
+            Outcome::Events(mut v) if v.len() == 1 => v.remove(0),
+            Outcome::Events(_) => Verdict::Unsent {
+                error: "sent alone: no report for it in the reply".into(),
+                retry_after: None,
+            },
+            Outcome::SinkDown { error, retry_after } => Verdict::Unsent { error, retry_after },
+        };
+    }
+    Outcome::Events(verdicts)
 }
 
 /// A reply that refuses the whole request for good without a verdict per record (a v2 422
@@ -181,15 +234,29 @@ fn refused_whole(kind: Kind, reply: &Reply) -> bool {
     http::refuses_for_good(reply.status) && !per_record
 }
 
-/// Per-record verdicts from a reply that carries them; request-level judgement otherwise.
-pub fn judge_reply(kind: Kind, reply: &Reply, what: &str, n: usize) -> Outcome {
-    let reports = match kind {
+/// The per-record reports of a reply, if it carries them.
+fn reports(kind: Kind, reply: &Reply) -> Option<Vec<Value>> {
+    match kind {
         Kind::KafkaRestV3 if reply.status == 200 => v3_reports(&reply.body),
         Kind::KafkaRestV3 => None,
         _ if matches!(reply.status, 200..=299 | 422) => v2_reports(&reply.body),
         _ => None,
-    };
-    match reports {
+    }
+}
+
+/// Which records of a reply carry a code that may be a batch-mate's (record_failure).
+fn refused_perhaps_for_a_batch_mate(kind: Kind, reply: &Reply) -> Vec<bool> {
+    let code = |r: &Value| r.get("error_code").and_then(Value::as_i64);
+    reports(kind, reply)
+        .unwrap_or_default()
+        .iter()
+        .map(|r| code(r).is_some_and(perhaps_a_batch_mates))
+        .collect()
+}
+
+/// Per-record verdicts from a reply that carries them; request-level judgement otherwise.
+pub fn judge_reply(kind: Kind, reply: &Reply, what: &str, n: usize) -> Outcome {
+    match reports(kind, reply) {
         Some(reports) => Outcome::Events(
             (0..n)
                 .map(|i| match reports.get(i) {
@@ -255,8 +322,9 @@ fn record_verdict(report: &Value, what: &str) -> Verdict {
 /// - refused by the brokers for its content (10, 18: too large; 87: not valid), or by the
 ///   proxy's producer for any reason it will not retry (50002, the old 1; 40002): the record's
 ///   perhaps, or a batch-mate's (a broker refuses a whole record batch for one record) or a
-///   passing state's (a proxy's skewed clock, a fenced producer): retried per key, alone,
-///   counted, and dead-lettered after max_attempts;
+///   passing state's (a proxy's skewed clock, a fenced producer): sent again alone at once
+///   if its request carried others (resend_alone); refused alone, retried per key, counted,
+///   and dead-lettered after max_attempts;
 /// - any other 4xx code: refused for good as far as the proxy says (dead-lettered once the sink
 ///   is shown to take other records: src/worker/health.rs);
 /// - anything else is the proxy's or the brokers' doing (throttled, a topic or partition it
@@ -265,7 +333,7 @@ fn record_failure(code: i64, error: String) -> Verdict {
     let http_class = if code >= 1000 { code / 100 } else { code };
     match code {
         17 => Verdict::Invalid { error },
-        10 | 18 | 87 | 1 | 50002 | 40002 => Verdict::Retry {
+        _ if perhaps_a_batch_mates(code) => Verdict::Retry {
             error,
             retry_after: None,
         },
@@ -279,6 +347,11 @@ fn record_failure(code: i64, error: String) -> Verdict {
             retry_after: None,
         },
     }
+}
+
+/// A record code that may be a batch-mate's doing, or a passing state's (record_failure).
+fn perhaps_a_batch_mates(code: i64) -> bool {
+    matches!(code, 10 | 18 | 87 | 1 | 50002 | 40002)
 }
 
 /// v2 records in the binary embedded format: the key's and the payload's bytes (the payload
@@ -484,5 +557,51 @@ mod tests {
         assert_eq!(record["headers"][0]["name"], "trace");
         assert_eq!(record["headers"][0]["value"], BASE64.encode("t1"));
         assert_eq!(escape_path("a b/c"), "a%20b%2Fc");
+    }
+
+    #[test]
+    fn records_refused_perhaps_for_a_batch_mate_are_judged_alone() {
+        let events: Vec<Event> = ["a", "big", "c", "d"]
+            .iter()
+            .map(|k| test_event(k))
+            .collect();
+        let refs: Vec<&Event> = events.iter().collect();
+        let body = r#"{"offsets":[{"partition":0,"offset":1},{"error_code":50002,"error":"too large"},
+            {"error_code":10,"error":"too large"},{"error_code":50003,"error":"retriable"}]}"#;
+        let first = reply(200, body);
+        assert_eq!(
+            refused_perhaps_for_a_batch_mate(Kind::KafkaRestV2, &first),
+            [false, true, true, false]
+        );
+        let outcome = judge_reply(Kind::KafkaRestV2, &first, "k", 4);
+        let sent = std::cell::RefCell::new(Vec::new());
+        let alone = [false, true, true, false];
+        let send = |one: &[&Event]| {
+            sent.borrow_mut().push(one[0].aggregate_id.clone());
+            match one[0].aggregate_id.as_str() {
+                "big" => judge_reply(
+                    Kind::KafkaRestV2,
+                    &reply(200, r#"{"offsets":[{"error_code":10}]}"#),
+                    "k",
+                    1,
+                ),
+                _ => judge_reply(
+                    Kind::KafkaRestV2,
+                    &reply(200, r#"{"offsets":[{"offset":2}]}"#),
+                    "k",
+                    1,
+                ),
+            }
+        };
+        let judged = resend_alone(outcome.clone(), &alone, &refs, || false, send);
+        assert_eq!(kinds(judged), ["ok", "retry", "ok", "unsent"]);
+        assert_eq!(
+            *sent.borrow(),
+            ["big", "c"],
+            "each sent again alone, in order"
+        );
+        // no time left: back unsent, nothing counted
+        let judged = resend_alone(outcome, &alone, &refs, || true, |_| unreachable!());
+        assert_eq!(kinds(judged), ["ok", "unsent", "unsent", "unsent"]);
     }
 }

@@ -299,12 +299,21 @@ class KafkaRestFront(_Server):
                 reports[i] = {"error_code": code, "error": "injected failure"}
                 continue
             def done(err, msg, i=i):
-                reports[i] = ({"error_code": 50003, "error": str(err)} if err else
+                reports[i] = ({"error_code": self.error_code(err), "error": str(err)} if err else
                               {"partition": msg.partition(), "offset": msg.offset()})
             self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=done)
             self.faults.produced.append((topic, key))
         self.producer.flush(10)
         return reports
+
+    @staticmethod
+    def error_code(err) -> int:
+        """As Confluent's proxy reports a producer's error: a record the brokers refuse for its
+        content (too large, not valid; refused with its whole record batch) is not retriable
+        (50002); the rest is (50003)."""
+        from confluent_kafka import KafkaError
+        content = (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_RECORD)
+        return 50002 if err.code() in content else 50003
 
     def v2(self, topic: str, request: Request):
         content_type = request.headers.get("content-type", "")
