@@ -513,6 +513,20 @@ def test_an_emit_in_progress_when_the_drop_comes_is_waited_for_and_counted(db, c
     assert db.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 1
 
 
+def test_a_drop_refused_for_undelivered_events_waits_for_no_reader(db, connect):
+    """Something undelivered is reported at once: the guard takes the events table's lock only
+    when it found nothing, else a drop refused anyway would wait behind a long reader (a dump)
+    and queue every emit and claim behind it meanwhile."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    db.execute("SELECT outbox.emit('a', '1', 'e', '{}')")
+    reader = connect(autocommit=False)
+    reader.execute("SELECT count(*) FROM outbox.events")      # holds ACCESS SHARE, as pg_dump does
+    db.execute("SET lock_timeout = '2s'")
+    with pytest.raises(psycopg.errors.DependentObjectsStillExist):
+        db.execute("DROP EXTENSION outbox_ext")
+    reader.rollback()
+
+
 @pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
 def test_a_drop_in_a_snapshot_older_than_its_lock_is_refused(db, connect, level):
     """In a REPEATABLE READ or SERIALIZABLE transaction the guard can read only what its

@@ -127,6 +127,38 @@ def test_a_run_in_a_snapshot_older_than_the_writers_is_refused(db, connect, leve
     assert ("dropped", part) in [(a, r) for a, r, _ in maintain(db)]
 
 
+def test_a_partitions_events_are_read_after_its_writers_are_seen_ended(db, connect):
+    """maintain() reads a partition's events once no transaction may still write there (one
+    open since before the partition ends, or holding a lock on it). That read used the snapshot
+    of the statement calling it, taken before it looked: a writer that ended in between was
+    neither seen open nor its events read, and the partition went with them. Here the writer
+    commits while the check waits between its statement's snapshot and that look (an
+    advisory lock holds it there)."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    insert_event_at(db, "old", "-10 days")
+    maintain(db)
+    part = partition_of(db, "old")
+    upper = db.execute("SELECT upper FROM outbox.partitions WHERE partition = %s::regclass", (part,)).fetchone()[0]
+    Relay(db, "c").drain()
+    writer = connect(autocommit=False)
+    writer.execute("SELECT pg_advisory_xact_lock(4242)")
+    insert_event_at(writer, "late", "-10 days")   # uncommitted, in the same old partition
+    checker = connect()
+    said: list = []
+
+    def check() -> None:
+        said.append(checker.execute(
+            "SELECT outbox_internal._partition_pending(%s::regclass, %s)"
+            "  FROM (SELECT pg_advisory_xact_lock(4242) OFFSET 0) AS after_the_writer", (part, upper)).fetchone()[0])
+
+    thread = threading.Thread(target=check)
+    thread.start()
+    waits_for_a_lock(db, checker.info.backend_pid)
+    writer.commit()
+    thread.join(30)
+    assert said == ["a consumer has not read all its events"], "the partition would go with the writer's event"
+
+
 def test_detach_instead_of_drop(db):
     db.execute("UPDATE outbox.partition_config SET detach = true WHERE parent = 'outbox.events'::regclass")
     db.execute("SELECT outbox.create_consumer('c')")
