@@ -172,10 +172,12 @@ def test_a_fatal_record_error_dead_letters_that_event_only(conn, new_sink, kafka
 @pytest.mark.parametrize("kind", ["kafka_rest_v2", "kafka_rest_v3"])
 def test_a_record_over_the_topics_size_limit_takes_no_batch_mate_with_it(conn, new_sink, kafka, topic, kind):
     """A broker refuses a whole record batch for one record over the topic's max.message.bytes,
-    and the proxy reports the refusal (50002) for every record of it. Counted, its batch-mates
-    of other keys were dead-lettered with it (max_attempts 1; the batch's record for another
-    topic went through, so the sink was shown healthy). Each is now sent again alone first:
-    only the oversized record is dead-lettered; the others arrive, in order."""
+    and a proxy whose producer does not split it (librdkafka's, as this front's) reports the
+    refusal (50002) for every record of it. Counted, its batch-mates of other keys were
+    dead-lettered with it (max_attempts 1; the batch's record for another topic went through,
+    so the sink was shown healthy). They are now sent again, in halves down to single records,
+    before anything is counted: only the oversized record is dead-lettered; the others arrive,
+    in order."""
     limited = f"limited{next(_later)}"
     kafka.create_topic(limited, partitions=1, config={"max.message.bytes": "4000"})
     front = KafkaRestFront(kafka.bootstrap(), {topic, limited})
@@ -201,6 +203,8 @@ def test_a_record_over_the_topics_size_limit_takes_no_batch_mate_with_it(conn, n
                                              (sink,)).fetchall())
         assert dead == [("big",)], "only the oversized record is dead-lettered"
         check_partitions(records, sent)
+        assert {key.decode() for t, key, code in front.faults.refused if code == 50002} - {"big"}, \
+            "the brokers refused batch-mates with the oversized record (what this test is about)"
     finally:
         front.close()
 

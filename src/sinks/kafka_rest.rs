@@ -174,10 +174,10 @@ fn post_records(
             let retried = |v: &Verdict| matches!(v, Verdict::Retry { .. });
             let some_retried = matches!(&outcome, Outcome::Events(v) if v.iter().any(retried));
             if events.len() > 1 && some_retried {
-                let alone = refused_perhaps_for_a_batch_mate(config.kind, &reply);
+                let refused = refused_perhaps_for_a_batch_mate(config.kind, &reply);
                 let late = || out_of_time(config, deadline);
-                resend_alone(outcome, &alone, events, late, |one| {
-                    post_records(agent, config, topic, one, deadline)
+                resend_refused(outcome, &refused, events, late, |part| {
+                    post_records(agent, config, topic, part, deadline)
                 })
             } else {
                 outcome
@@ -187,15 +187,17 @@ fn post_records(
 }
 
 /// Records refused perhaps for a batch-mate's sake (record_failure), in a request of several:
-/// each is sent again in a request of its own, in order, so that only a record refused alone
-/// is counted (as `split` does for a request refused whole). A broker refuses a whole record
-/// batch for one record too large, and a proxy reports the refusal for every record of it:
+/// sent again before they are judged, in halves down to single records (`split`), so that a
+/// record is counted only when refused in a request of its own. A broker refuses a whole record
+/// batch for one record too large, and a proxy whose producer does not split such a batch
+/// (librdkafka does not; Java's producer does) reports the refusal for every record of it:
 /// counted, the batch-mates of one oversized record were dead-lettered with `max_attempts` 1.
-/// The records of one request are of distinct keys (rounds), so this reorders no key. A record
-/// with no time left, or whose request finds the proxy down, goes back unsent, not counted.
-fn resend_alone(
+/// The records of one request are of distinct keys (rounds), so this reorders no key. Records
+/// with no time left go back unsent, uncounted; so do those left when the proxy is found down
+/// (or the whole request is down, when nothing of it went through).
+fn resend_refused(
     outcome: Outcome,
-    alone: &[bool],
+    refused: &[bool],
     events: &[&Event],
     out_of_time: impl Fn() -> bool,
     send: impl Fn(&[&Event]) -> Outcome,
@@ -203,25 +205,28 @@ fn resend_alone(
     let Outcome::Events(mut verdicts) = outcome else {
         return outcome;
     };
-    for (i, verdict) in verdicts.iter_mut().enumerate() {
-        if !alone.get(i).copied().unwrap_or(false) {
-            continue;
+    let again: Vec<usize> = (0..events.len())
+        .filter(|&i| refused.get(i) == Some(&true))
+        .collect();
+    let part: Vec<&Event> = again.iter().map(|&i| events[i]).collect();
+    let judged = match part.len() {
+        1 if out_of_time() => Tally::new(1).finish(),
+        1 => send(&part),
+        _ => split(&part, out_of_time, send),
+    };
+    match judged {
+        Outcome::Events(judged) => {
+            for (&i, verdict) in again.iter().zip(judged) {
+                verdicts[i] = verdict;
+            }
         }
-        if out_of_time() {
-            *verdict = Verdict::Unsent {
-                error: "refused with its batch-mates; no time left to send it alone".into(),
-                retry_after: None,
-            };
-            continue;
+        Outcome::SinkDown { .. } if !verdicts.contains(&Verdict::Delivered) => return judged,
+        Outcome::SinkDown { error, retry_after } => {
+            for &i in &again {
+                let (error, retry_after) = (error.clone(), retry_after);
+                verdicts[i] = Verdict::Unsent { error, retry_after };
+            }
         }
-        *verdict = match send(&events[i..=i]) {
-            Outcome::Events(mut v) if v.len() == 1 => v.remove(0),
-            Outcome::Events(_) => Verdict::Unsent {
-                error: "sent alone: no report for it in the reply".into(),
-                retry_after: None,
-            },
-            Outcome::SinkDown { error, retry_after } => Verdict::Unsent { error, retry_after },
-        };
     }
     Outcome::Events(verdicts)
 }
@@ -322,9 +327,9 @@ fn record_verdict(report: &Value, what: &str) -> Verdict {
 /// - refused by the brokers for its content (10, 18: too large; 87: not valid), or by the
 ///   proxy's producer for any reason it will not retry (50002, the old 1; 40002): the record's
 ///   perhaps, or a batch-mate's (a broker refuses a whole record batch for one record) or a
-///   passing state's (a proxy's skewed clock, a fenced producer): sent again alone at once
-///   if its request carried others (resend_alone); refused alone, retried per key, counted,
-///   and dead-lettered after max_attempts;
+///   passing state's (a proxy's skewed clock, a fenced producer): sent again at once if its
+///   request carried others (resend_refused); refused alone, retried per key, counted, and
+///   dead-lettered after max_attempts;
 /// - any other 4xx code: refused for good as far as the proxy says (dead-lettered once the sink
 ///   is shown to take other records: src/worker/health.rs);
 /// - anything else is the proxy's or the brokers' doing (throttled, a topic or partition it
@@ -560,7 +565,7 @@ mod tests {
     }
 
     #[test]
-    fn records_refused_perhaps_for_a_batch_mate_are_judged_alone() {
+    fn records_refused_perhaps_for_a_batch_mate_are_sent_again_before_they_count() {
         let events: Vec<Event> = ["a", "big", "c", "d"]
             .iter()
             .map(|k| test_event(k))
@@ -569,39 +574,49 @@ mod tests {
         let body = r#"{"offsets":[{"partition":0,"offset":1},{"error_code":50002,"error":"too large"},
             {"error_code":10,"error":"too large"},{"error_code":50003,"error":"retriable"}]}"#;
         let first = reply(200, body);
-        assert_eq!(
-            refused_perhaps_for_a_batch_mate(Kind::KafkaRestV2, &first),
-            [false, true, true, false]
-        );
+        let refused = refused_perhaps_for_a_batch_mate(Kind::KafkaRestV2, &first);
+        assert_eq!(refused, [false, true, true, false]);
         let outcome = judge_reply(Kind::KafkaRestV2, &first, "k", 4);
+        let v2 = |body: &str, n| judge_reply(Kind::KafkaRestV2, &reply(200, body), "k", n);
         let sent = std::cell::RefCell::new(Vec::new());
-        let alone = [false, true, true, false];
-        let send = |one: &[&Event]| {
-            sent.borrow_mut().push(one[0].aggregate_id.clone());
-            match one[0].aggregate_id.as_str() {
-                "big" => judge_reply(
-                    Kind::KafkaRestV2,
-                    &reply(200, r#"{"offsets":[{"error_code":10}]}"#),
-                    "k",
-                    1,
-                ),
-                _ => judge_reply(
-                    Kind::KafkaRestV2,
-                    &reply(200, r#"{"offsets":[{"offset":2}]}"#),
-                    "k",
-                    1,
-                ),
+        let send = |part: &[&Event]| {
+            sent.borrow_mut().push(part.len());
+            match part[0].aggregate_id.as_str() {
+                "big" => v2(r#"{"offsets":[{"error_code":10}]}"#, 1),
+                _ => v2(r#"{"offsets":[{"offset":2}]}"#, 1),
             }
         };
-        let judged = resend_alone(outcome.clone(), &alone, &refs, || false, send);
+        let judged = resend_refused(outcome.clone(), &refused, &refs, || false, send);
         assert_eq!(kinds(judged), ["ok", "retry", "ok", "unsent"]);
         assert_eq!(
             *sent.borrow(),
-            ["big", "c"],
-            "each sent again alone, in order"
+            [1, 1],
+            "halves, in order, down to single records"
         );
         // no time left: back unsent, nothing counted
-        let judged = resend_alone(outcome, &alone, &refs, || true, |_| unreachable!());
+        let judged = resend_refused(
+            outcome.clone(),
+            &refused,
+            &refs,
+            || true,
+            |_| unreachable!(),
+        );
         assert_eq!(kinds(judged), ["ok", "unsent", "unsent", "unsent"]);
+        // the proxy found down: what went through stays acked, the rest goes back unsent...
+        let down = |_: &[&Event]| Outcome::SinkDown {
+            error: "reset".into(),
+            retry_after: None,
+        };
+        let judged = resend_refused(outcome, &refused, &refs, || false, down);
+        assert_eq!(kinds(judged), ["ok", "unsent", "unsent", "unsent"]);
+        // ...and with nothing through, the request is the sink's, as any other found down
+        let none = judge_reply(
+            Kind::KafkaRestV2,
+            &reply(200, r#"{"offsets":[{"error_code":10},{"error_code":10}]}"#),
+            "k",
+            2,
+        );
+        let judged = resend_refused(none, &[true, true], &refs[..2], || false, down);
+        assert_eq!(kinds(judged), ["down"]);
     }
 }

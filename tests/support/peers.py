@@ -249,6 +249,7 @@ class FrontFaults:
     max_records: int = 0            # more records in one request: 413 (0: no limit)
     calls: int = 0
     produced: list = field(default_factory=list)
+    refused: list = field(default_factory=list)   # (topic, key, code) of the producer's refusals
 
 
 class KafkaRestFront(_Server):
@@ -298,9 +299,11 @@ class KafkaRestFront(_Server):
             if code is not None:
                 reports[i] = {"error_code": code, "error": "injected failure"}
                 continue
-            def done(err, msg, i=i):
+            def done(err, msg, i=i, topic=topic, key=key):
                 reports[i] = ({"error_code": self.error_code(err), "error": str(err)} if err else
                               {"partition": msg.partition(), "offset": msg.offset()})
+                if err:
+                    self.faults.refused.append((topic, key, reports[i]["error_code"]))
             self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=done)
             self.faults.produced.append((topic, key))
         self.producer.flush(10)
@@ -309,8 +312,9 @@ class KafkaRestFront(_Server):
     @staticmethod
     def error_code(err) -> int:
         """As Confluent's proxy reports a producer's error: a record the brokers refuse for its
-        content (too large, not valid; refused with its whole record batch) is not retriable
-        (50002); the rest is (50003)."""
+        content (too large, not valid) is not retriable (50002); the rest is (50003). This
+        front's producer is librdkafka's, which does not split a record batch refused as too
+        large: every record of it is refused (Java's producer, in Confluent's proxy, splits it)."""
         from confluent_kafka import KafkaError
         content = (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_RECORD)
         return 50002 if err.code() in content else 50003
