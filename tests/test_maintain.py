@@ -25,6 +25,20 @@ def partition_of(conn, key: str) -> str:
     return conn.execute("SELECT tableoid::regclass::text FROM outbox.events WHERE aggregate_id = %s", (key,)).fetchone()[0]
 
 
+def a_read_partition_with_a_late_writer(db, connect) -> tuple[str, object]:
+    """An old partition whose events consumer 'c' has read, and a transaction still writing one
+    more event there ('late', uncommitted). Returns the partition and the writer."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    insert_event_at(db, "old", "-10 days")
+    maintain(db)
+    part = partition_of(db, "old")
+    writer = connect(autocommit=False)
+    insert_event_at(writer, "late", "-10 days")   # uncommitted, lands in the same old partition
+    forget_seals(db)
+    Relay(db, "c").drain()
+    return part, writer
+
+
 def test_partitions_cover_now_and_ahead_and_maintain_is_idempotent(db):
     assert [a for a, *_ in maintain(db) if a == "created"] == []
     covered = db.execute("""
@@ -80,15 +94,7 @@ def test_a_partition_past_retention_is_kept_until_every_consumer_read_it(db):
 
 
 def test_an_open_transaction_keeps_its_partition(db, connect):
-    db.execute("SELECT outbox.create_consumer('c')")
-    for i in range(2):
-        insert_event_at(db, f"old-{i}", "-10 days")
-    maintain(db)
-    part = partition_of(db, "old-0")
-    writer = connect(autocommit=False)
-    insert_event_at(writer, "late", "-10 days")   # uncommitted, lands in the same old partition
-    forget_seals(db)
-    Relay(db, "c").drain()
+    part, writer = a_read_partition_with_a_late_writer(db, connect)
     assert ("kept", part) in [(a, r) for a, r, _ in maintain(db)]
     writer.commit()
     assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["late"]
@@ -101,14 +107,7 @@ def test_a_run_in_a_snapshot_older_than_the_writers_is_refused(db, connect, leve
     ended. In a REPEATABLE READ or SERIALIZABLE transaction that read used a snapshot taken
     before: an event committed since was not seen, and its partition was dropped with it.
     Refused (25000); the event stays and is delivered."""
-    db.execute("SELECT outbox.create_consumer('c')")
-    insert_event_at(db, "old", "-10 days")
-    maintain(db)
-    part = partition_of(db, "old")
-    writer = connect(autocommit=False)
-    insert_event_at(writer, "late", "-10 days")   # uncommitted, lands in the same old partition
-    forget_seals(db)
-    Relay(db, "c").drain()
+    part, writer = a_read_partition_with_a_late_writer(db, connect)
     runner = connect(autocommit=False)
     runner.execute(f"BEGIN ISOLATION LEVEL {level}")
     runner.execute("SELECT count(*) FROM outbox.events")   # its snapshot, before the commit
@@ -134,15 +133,9 @@ def test_a_partitions_events_are_read_after_its_writers_are_seen_ended(db, conne
     neither seen open nor its events read, and the partition went with them. Here the writer
     commits while the check waits between its statement's snapshot and that look (an
     advisory lock holds it there)."""
-    db.execute("SELECT outbox.create_consumer('c')")
-    insert_event_at(db, "old", "-10 days")
-    maintain(db)
-    part = partition_of(db, "old")
+    part, writer = a_read_partition_with_a_late_writer(db, connect)
     upper = db.execute("SELECT upper FROM outbox.partitions WHERE partition = %s::regclass", (part,)).fetchone()[0]
-    Relay(db, "c").drain()
-    writer = connect(autocommit=False)
     writer.execute("SELECT pg_advisory_xact_lock(4242)")
-    insert_event_at(writer, "late", "-10 days")   # uncommitted, in the same old partition
     checker = connect()
     said: list = []
 
