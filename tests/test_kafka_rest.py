@@ -155,18 +155,30 @@ def test_a_key_whose_events_go_to_two_topics_keeps_its_order_across_them(conn, n
 
 @pytest.mark.parametrize("variant", ["confluent", "old"])
 def test_a_fatal_record_error_dead_letters_that_event_only(conn, new_sink, kafka, front, topic, variant):
-    front.faults.fail = lambda _t, key, value: 50002 if json.loads(value).get("poison") else None
+    """A record refused in a request of its own for a reason that may be its content (50002, the
+    old 1) is its fault once its topic has taken another record since it was first refused;
+    until then it waits, uncounted (a topic whose limit was lowered refuses every record).
+    Then it is dead-lettered, and the key's later event goes on."""
+    refusals: list = []
+    front.faults.fail = lambda _t, key, value: (
+        refusals.append(key) or 50002 if json.loads(value).get("poison") else None)
     front.faults.variant = variant
-    sink = new_sink("kafka_rest_v2", front.url)
+    sink = new_sink("kafka_rest_v2", front.url, max_attempts=1)
     conn.execute("SELECT outbox.emit('order', 'p1', 'e', '{\"n\": 1}', NULL, %s)", (topic,))
-    conn.execute("SELECT outbox.emit('order', 'p1', 'e', '{\"poison\": true}', NULL, %s)", (topic,))
-    conn.execute("SELECT outbox.emit('order', 'p1', 'e', '{\"n\": 3}', NULL, %s)", (topic,))
-    dead = wait_for(lambda: conn.execute("SELECT payload FROM outbox.dead_letters WHERE consumer = %s",
-                                         (sink,)).fetchall())
+    kafka.read(topic, expect=1)                     # taken before the poison's batch began
+    with conn.transaction():
+        conn.execute("SELECT outbox.emit('order', 'p1', 'e', '{\"poison\": true}', NULL, %s)", (topic,))
+        conn.execute("SELECT outbox.emit('order', 'p1', 'e', '{\"n\": 3}', NULL, %s)", (topic,))
+    wait_for(lambda: refusals)
+    time.sleep(1)
+    dead_letters = "SELECT payload FROM outbox.dead_letters WHERE consumer = %s"
+    assert conn.execute(dead_letters, (sink,)).fetchall() == [], "nothing else of its topic went through"
+    conn.execute("SELECT outbox.emit('order', 'q1', 'e', '{\"q\": 1}', NULL, %s)", (topic,))
+    dead = wait_for(lambda: conn.execute(dead_letters, (sink,)).fetchall())
     assert dead == [({"poison": True},)]
-    records = kafka.read(topic, expect=2)
-    assert [json.loads(r["value"]) for r in records if json.loads(r["value"]) != {"n": 3}][:1] == [{"n": 1}]
-    assert {"n": 3} in [json.loads(r["value"]) for r in records]
+    values = [json.loads(r["value"]) for r in kafka.read(topic, expect=3)]
+    assert {"n": 1} in values and {"n": 3} in values and {"q": 1} in values
+    assert values.index({"n": 1}) < values.index({"n": 3})
 
 
 @pytest.mark.parametrize("kind", ["kafka_rest_v2", "kafka_rest_v3"])
@@ -178,7 +190,7 @@ def test_a_record_over_the_topics_size_limit_takes_no_batch_mate_with_it(conn, n
     so the sink was shown healthy). They are now sent again, in halves down to single records,
     before anything is counted: only the oversized record is dead-lettered; the others arrive,
     in order."""
-    limited = f"limited{next(_later)}"
+    limited = f"rest-limited{next(_later)}"
     kafka.create_topic(limited, partitions=1, config={"max.message.bytes": "4000"})
     front = KafkaRestFront(kafka.bootstrap(), {topic, limited})
     try:
@@ -205,6 +217,39 @@ def test_a_record_over_the_topics_size_limit_takes_no_batch_mate_with_it(conn, n
         check_partitions(records, sent)
         assert {key.decode() for t, key, code in front.faults.refused if code == 50002} - {"big"}, \
             "the brokers refused batch-mates with the oversized record (what this test is about)"
+    finally:
+        front.close()
+
+
+@pytest.mark.parametrize("kind", ["kafka_rest_v2", "kafka_rest_v3"])
+def test_one_topic_refusing_every_record_as_too_large_loses_none_while_the_others_deliver(
+        conn, new_sink, kafka, topic, kind):
+    """A REST sink sends to two topics; one has its max.message.bytes lowered far too far. The
+    other takes its records, so the sink is shown healthy, and each refusal looked like its
+    record's: counted, all were dead-lettered (max_attempts 2). The refusals are the topic's
+    setting: none is dead-lettered, they wait, and arrive in order once the limit is raised."""
+    limited = f"rest-limited{next(_later)}"
+    kafka.create_topic(limited, partitions=1, config={"max.message.bytes": "40"})
+    front = KafkaRestFront(kafka.bootstrap(), {topic, limited})
+    try:
+        sink = new_sink(kind, front.url, cluster_id=KafkaRestFront.CLUSTER, max_attempts=2)
+        emit = "SELECT outbox.emit('order', %s, 'e', %s::jsonb, NULL, %s)"
+        held, flowing = defaultdict(list), defaultdict(list)
+        for i in range(3):
+            for k in range(3):
+                for sent, prefix, to in ((held, "x", limited), (flowing, "y", topic)):
+                    payload = {"key": f"{prefix}{k}", "i": i}
+                    conn.execute(emit, (f"{prefix}{k}", json.dumps(payload), to))
+                    sent[f"{prefix}{k}"].append(payload)
+        check_partitions(kafka.read(topic, expect=9, timeout=60), flowing)
+        time.sleep(3)                                   # refusals meanwhile, every key retried
+        row = conn.execute("SELECT undelivered, dead_letters FROM outbox.status WHERE consumer = %s",
+                           (sink,)).fetchone()
+        assert row == (9, 0), "waiting, none dead-lettered"
+        kafka.set_topic_config(limited, "max.message.bytes", "1048588")
+        check_partitions(kafka.read(limited, expect=9, timeout=60), held)
+        assert conn.execute("SELECT count(*) FROM outbox.dead_letters WHERE consumer = %s",
+                            (sink,)).fetchone()[0] == 0
     finally:
         front.close()
 

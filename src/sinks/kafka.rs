@@ -62,17 +62,8 @@ pub struct Producer {
     alone: Mutex<Option<Arc<ThreadedProducer<Reports>>>>,
     /// Per topic, when it last took a record of ours; per record refused alone, when it first
     /// was (blame_only_where_the_topic_takes_records).
-    evidence: Mutex<TopicEvidence>,
+    evidence: Mutex<super::evidence::TopicEvidence>,
 }
-
-#[derive(Default)]
-struct TopicEvidence {
-    taken_at: HashMap<String, Instant>,
-    refused_at: HashMap<String, Instant>,
-}
-
-/// Records refused alone remembered at most (forgetting one only delays its verdict).
-const REFUSED_KEPT: usize = 10_000;
 
 #[derive(Default)]
 struct Live {
@@ -276,11 +267,8 @@ impl Producer {
         settings.create_with_context(reports).ok().map(Arc::new)
     }
 
-    /// A record a broker refused on its own is the record's only if its topic took another
-    /// record of ours since it was first refused so (or during its batch): a sink's health is
-    /// judged across its topics, and a topic whose max.message.bytes was lowered by mistake
-    /// refuses every record of its own while the other topics deliver. Until then it goes back
-    /// unsent, never blamed: it waits, in order.
+    /// A record a broker refused on its own is the record's only once its topic has taken
+    /// another record of ours since (src/sinks/evidence.rs); until then it goes back unsent.
     fn blame_only_where_the_topic_takes_records(
         &self,
         topics: &[String],
@@ -290,34 +278,27 @@ impl Producer {
         started: Instant,
     ) {
         let mut evidence = self.evidence.lock().unwrap_or_else(|e| e.into_inner());
-        if refused_alone.is_empty() && evidence.refused_at.is_empty() {
+        if refused_alone.is_empty() && evidence.waiting_on_nothing() {
             return; // no refusal to judge, now or later: the clean path does no more
         }
         let now = Instant::now();
         for (j, topic) in topics.iter().enumerate() {
             if batch.verdict(j) == Some(Verdict::Delivered) {
-                evidence.taken_at.insert(topic.clone(), now);
+                evidence.took(topic, now);
             }
-        }
-        if evidence.refused_at.len() + refused_alone.len() > REFUSED_KEPT {
-            evidence.refused_at.clear();
         }
         for &i in refused_alone {
             let topic = &topics[i];
-            let since = *evidence
-                .refused_at
-                .entry(events[i].id.clone())
-                .or_insert(started);
-            let taken = evidence.taken_at.get(topic).is_some_and(|&t| t >= since);
-            if let (false, Some(Verdict::Reject { error })) = (taken, batch.verdict(i)) {
+            if evidence.blames(topic, &events[i].id, started) {
+                continue;
+            }
+            if let Some(Verdict::Reject { error }) = batch.verdict(i) {
                 let error = format!("{error} (no record to {topic} went through since)");
                 let unsent = Verdict::Unsent {
                     error,
                     retry_after: None,
                 };
                 batch.replace(i, unsent);
-            } else {
-                evidence.refused_at.remove(&events[i].id);
             }
         }
     }

@@ -18,6 +18,7 @@
 //! codes, 500xx codes; v3 reports streamed as concatenated JSON objects or sent as an array;
 //! throttling with an HTML body.
 
+use super::evidence::TopicEvidence;
 use super::http::{self, judge_failure, Reply};
 use super::records::{kafka_topic, record_headers};
 use super::{
@@ -27,13 +28,33 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
 use serde_json::Value;
 use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// What every request of a batch shares.
+struct Sending<'a> {
+    agent: &'a ureq::Agent,
+    config: &'a Config,
+    deadline: Instant,
+    /// When the batch began: a record of a topic taken since counts (src/sinks/evidence.rs).
+    started: Instant,
+    evidence: &'a Mutex<TopicEvidence>,
+}
 
 pub fn send(
     agent: &ureq::Agent,
     config: &Config,
+    evidence: &Mutex<TopicEvidence>,
     events: &[&Event],
-    deadline: std::time::Instant,
+    deadline: Instant,
 ) -> Outcome {
+    let batch = Sending {
+        agent,
+        config,
+        deadline,
+        started: Instant::now(),
+        evidence,
+    };
     let mut tally = Tally::new(events.len());
     let mut failed: HashSet<&str> = HashSet::new();
     for (topic, indexes) in by_topic(config, events) {
@@ -66,7 +87,7 @@ pub fn send(
                 return tally.finish(); // the rest goes back unsent
             }
             let records: Vec<&Event> = sent.iter().map(|&i| events[i]).collect();
-            let outcome = post_records(agent, config, &topic, &records, deadline);
+            let outcome = post_records(&batch, &topic, &records);
             if let Outcome::Events(verdicts) = &outcome {
                 for (&i, v) in sent.iter().zip(verdicts) {
                     if *v != Verdict::Delivered {
@@ -124,13 +145,8 @@ fn rounds(events: &[&Event]) -> Vec<Vec<usize>> {
     rounds
 }
 
-fn post_records(
-    agent: &ureq::Agent,
-    config: &Config,
-    topic: &str,
-    events: &[&Event],
-    deadline: std::time::Instant,
-) -> Outcome {
+fn post_records(batch: &Sending, topic: &str, events: &[&Event]) -> Outcome {
+    let (config, deadline) = (batch.config, batch.deadline);
     let base = config.url.trim_end_matches('/');
     let topic_path = escape_path(topic);
     let (url, content_type, body) = match config.kind {
@@ -158,32 +174,77 @@ fn post_records(
     headers.extend(config.http_headers.iter().cloned());
     let what = format!("Kafka REST (topic {topic})");
     let (timeout, keep) = (config.request_timeout, http::MAX_REPLY_BYTES);
-    match http::post(agent, &url, &headers, body.as_bytes(), timeout, keep) {
+    let late = || out_of_time(config, deadline);
+    match http::post(batch.agent, &url, &headers, body.as_bytes(), timeout, keep) {
         Err(error) => Outcome::SinkDown {
             error: format!("{what}: {error}"),
             retry_after: None,
         },
         Ok(reply) if refused_whole(config.kind, &reply) && events.len() > 1 => {
-            let late = || out_of_time(config, deadline);
-            split(events, late, |half| {
-                post_records(agent, config, topic, half, deadline)
-            })
+            split(events, late, |half| post_records(batch, topic, half))
         }
         Ok(reply) => {
             let outcome = judge_reply(config.kind, &reply, &what, events.len());
             let retried = |v: &Verdict| matches!(v, Verdict::Retry { .. });
-            let some_retried = matches!(&outcome, Outcome::Events(v) if v.iter().any(retried));
-            if events.len() > 1 && some_retried {
-                let refused = refused_perhaps_for_a_batch_mate(config.kind, &reply);
-                let late = || out_of_time(config, deadline);
-                resend_refused(outcome, &refused, events, late, |part| {
-                    post_records(agent, config, topic, part, deadline)
-                })
-            } else {
-                outcome
+            if !matches!(&outcome, Outcome::Events(v) if v.iter().any(retried)) {
+                took_records(batch, topic, &outcome);
+                return outcome;
+            }
+            let refused = refused_perhaps_for_a_batch_mate(config.kind, &reply);
+            match events.len() {
+                1 if refused == [true] => {
+                    blame_only_where_the_topic_takes_records(batch, topic, events[0], outcome)
+                }
+                1 => outcome,
+                _ => {
+                    took_records(batch, topic, &outcome);
+                    resend_refused(outcome, &refused, events, late, |part| {
+                        post_records(batch, topic, part)
+                    })
+                }
             }
         }
     }
+}
+
+/// The topic took a record of the request, if it did (src/sinks/evidence.rs).
+fn took_records(batch: &Sending, topic: &str, outcome: &Outcome) {
+    if matches!(outcome, Outcome::Events(v) if v.contains(&Verdict::Delivered)) {
+        let mut evidence = batch.evidence.lock().unwrap_or_else(|e| e.into_inner());
+        evidence.took(topic, Instant::now());
+    }
+}
+
+/// A record refused in a request of its own with a code that may be about its content: it is
+/// the record's only once its topic has taken another record of ours since it was first
+/// refused so (src/sinks/evidence.rs). Until then it goes back unsent, uncounted: a topic whose
+/// max.message.bytes was lowered by mistake refuses every record of its own while the sink's
+/// other topics deliver, which would show the sink healthy and count every refusal.
+fn blame_only_where_the_topic_takes_records(
+    batch: &Sending,
+    topic: &str,
+    event: &Event,
+    outcome: Outcome,
+) -> Outcome {
+    let mut evidence = batch.evidence.lock().unwrap_or_else(|e| e.into_inner());
+    if evidence.blames(topic, &event.id, batch.started) {
+        return outcome;
+    }
+    let error = match outcome {
+        Outcome::Events(mut v) if v.len() == 1 => match v.remove(0) {
+            Verdict::Retry { error, .. } => error,
+            verdict => return Outcome::Events(vec![verdict]),
+        },
+        other => return other,
+    };
+    let error = format!("{error} (no record to {topic} went through since)");
+    Outcome::all(
+        1,
+        Verdict::Unsent {
+            error,
+            retry_after: None,
+        },
+    )
 }
 
 /// Records refused perhaps for a batch-mate's sake (record_failure), in a request of several:
@@ -328,8 +389,9 @@ fn record_verdict(report: &Value, what: &str) -> Verdict {
 ///   proxy's producer for any reason it will not retry (50002, the old 1; 40002): the record's
 ///   perhaps, or a batch-mate's (a broker refuses a whole record batch for one record) or a
 ///   passing state's (a proxy's skewed clock, a fenced producer): sent again at once if its
-///   request carried others (resend_refused); refused alone, retried per key, counted, and
-///   dead-lettered after max_attempts;
+///   request carried others (resend_refused); refused in a request of its own, the record's
+///   once its topic has taken another record since (blame_only_where_the_topic_takes_records),
+///   then retried per key, counted, and dead-lettered after max_attempts;
 /// - any other 4xx code: refused for good as far as the proxy says (dead-lettered once the sink
 ///   is shown to take other records: src/worker/health.rs);
 /// - anything else is the proxy's or the brokers' doing (throttled, a topic or partition it

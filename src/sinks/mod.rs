@@ -7,6 +7,7 @@
 //! failed batch).
 
 mod check;
+pub mod evidence;
 pub mod http;
 pub mod kafka;
 pub mod kafka_rest;
@@ -196,6 +197,9 @@ impl Outcome {
 pub struct Client {
     pub config: Config,
     transport: Transport,
+    /// Which Kafka topics take records, for the Kafka REST sinks (the native sink keeps its
+    /// own, with its producer).
+    topics: std::sync::Mutex<evidence::TopicEvidence>,
 }
 
 enum Transport {
@@ -223,7 +227,11 @@ impl Client {
         for (name, value) in &config.http_headers {
             http::check_header(name, value)?; // a row saved before the check existed
         }
-        Ok(Client { config, transport })
+        Ok(Client {
+            config,
+            transport,
+            topics: Default::default(),
+        })
     }
 
     /// Delivers a batch: the events of the shard in one go, then (over HTTP) the retried heads
@@ -277,7 +285,7 @@ impl Client {
                 webhook::send(agent, &self.config, signer.as_ref(), events, deadline)
             }
             (Transport::Http { agent, .. }, _) => {
-                kafka_rest::send(agent, &self.config, events, deadline)
+                kafka_rest::send(agent, &self.config, &self.topics, events, deadline)
             }
         }
     }

@@ -12,8 +12,8 @@
 //!   (a retry or a refusal: src/sinks/http.rs judge_failure), delivered other events within
 //!   the last 30 s, and no other key has been answered so since: a poisoned key on a sink
 //!   that is otherwise idle is still dead-lettered. (Not so a record a Kafka broker refuses:
-//!   src/sinks/kafka.rs blames it only once its topic takes another record, so on an idle
-//!   topic it waits, uncounted.) (One key's events failing alone within 30 s of a
+//!   the Kafka sinks blame it only once its topic takes another record, src/sinks/evidence.rs,
+//!   so on an idle topic it waits, uncounted.) (One key's events failing alone within 30 s of a
 //!   success is all that tells the two apart; a sink with a single key in flight can so have
 //!   its attempts counted in the first 30 s of an outage.)
 //!
