@@ -10,7 +10,7 @@ import base64
 import itertools
 import json
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 
@@ -242,7 +242,12 @@ def test_one_topic_refusing_every_record_as_too_large_loses_none_while_the_other
                     conn.execute(emit, (f"{prefix}{k}", json.dumps(payload), to))
                     sent[f"{prefix}{k}"].append(payload)
         check_partitions(kafka.read(topic, expect=9, timeout=60), flowing)
-        time.sleep(3)                                   # refusals meanwhile, every key retried
+        for n in range(15):                             # the other topic goes on taking records
+            conn.execute(emit, (f"z{n}", json.dumps({"z": n}), topic))
+            time.sleep(0.2)
+        kafka.read(topic, expect=24, timeout=60)
+        refused = Counter(key.decode() for t, key, _ in front.faults.refused if t == limited)
+        assert all(refused[f"x{k}"] >= 2 for k in range(3)), f"each key tried max_attempts times: {refused}"
         row = conn.execute("SELECT undelivered, dead_letters FROM outbox.status WHERE consumer = %s",
                            (sink,)).fetchone()
         assert row == (9, 0), "waiting, none dead-lettered"
@@ -256,7 +261,7 @@ def test_one_topic_refusing_every_record_as_too_large_loses_none_while_the_other
 
 def test_an_unknown_topic_suspends_the_sink_dead_letters_nothing_and_resumes_once_made(conn, new_sink, kafka, front):
     sink = new_sink("kafka_rest_v2", front.url, max_attempts=2)
-    missing = f"later{next(_later)}"
+    missing = f"rest-later{next(_later)}"
     conn.execute("SELECT outbox.emit('order', 'u1', 'e', '{\"i\": 1}', NULL, %s)", (missing,))
     state = wait_for(lambda: (row := conn.execute(
         "SELECT sink_state, sink_state_reason, undelivered FROM outbox.status WHERE consumer = %s",

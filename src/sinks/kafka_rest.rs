@@ -41,18 +41,19 @@ struct Sending<'a> {
     evidence: &'a Mutex<TopicEvidence>,
 }
 
+/// Sends a batch's events (or a group of them: Client::deliver) begun at `started`.
 pub fn send(
     agent: &ureq::Agent,
     config: &Config,
     evidence: &Mutex<TopicEvidence>,
     events: &[&Event],
-    deadline: Instant,
+    (started, deadline): (Instant, Instant),
 ) -> Outcome {
     let batch = Sending {
         agent,
         config,
         deadline,
-        started: Instant::now(),
+        started,
         evidence,
     };
     let mut tally = Tally::new(events.len());
@@ -195,6 +196,7 @@ fn post_records(batch: &Sending, topic: &str, events: &[&Event]) -> Outcome {
                 1 if refused == [true] => {
                     blame_only_where_the_topic_takes_records(batch, topic, events[0], outcome)
                 }
+                _ if !refused.contains(&true) => outcome, // a request-level answer
                 1 => outcome,
                 _ => {
                     took_records(batch, topic, &outcome);
@@ -254,8 +256,7 @@ fn blame_only_where_the_topic_takes_records(
 /// (librdkafka does not; Java's producer does) reports the refusal for every record of it:
 /// counted, the batch-mates of one oversized record were dead-lettered with `max_attempts` 1.
 /// The records of one request are of distinct keys (rounds), so this reorders no key. Records
-/// with no time left go back unsent, uncounted; so do those left when the proxy is found down
-/// (or the whole request is down, when nothing of it went through).
+/// with no time left go back unsent, uncounted; so do those left when the proxy is found down.
 fn resend_refused(
     outcome: Outcome,
     refused: &[bool],
@@ -271,6 +272,7 @@ fn resend_refused(
         .collect();
     let part: Vec<&Event> = again.iter().map(|&i| events[i]).collect();
     let judged = match part.len() {
+        0 => return Outcome::Events(verdicts),
         1 if out_of_time() => Tally::new(1).finish(),
         1 => send(&part),
         _ => split(&part, out_of_time, send),
@@ -281,7 +283,6 @@ fn resend_refused(
                 verdicts[i] = verdict;
             }
         }
-        Outcome::SinkDown { .. } if !verdicts.contains(&Verdict::Delivered) => return judged,
         Outcome::SinkDown { error, retry_after } => {
             for &i in &again {
                 let (error, retry_after) = (error.clone(), retry_after);
@@ -671,14 +672,14 @@ mod tests {
         };
         let judged = resend_refused(outcome, &refused, &refs, || false, down);
         assert_eq!(kinds(judged), ["ok", "unsent", "unsent", "unsent"]);
-        // ...and with nothing through, the request is the sink's, as any other found down
-        let none = judge_reply(
-            Kind::KafkaRestV2,
-            &reply(200, r#"{"offsets":[{"error_code":10},{"error_code":10}]}"#),
-            "k",
-            2,
-        );
+        // ...also with nothing through: counted, they would take the blame for the proxy
+        let none = r#"{"offsets":[{"error_code":10},{"error_code":10}]}"#;
+        let none = judge_reply(Kind::KafkaRestV2, &reply(200, none), "k", 2);
         let judged = resend_refused(none, &[true, true], &refs[..2], || false, down);
-        assert_eq!(kinds(judged), ["down"]);
+        assert_eq!(kinds(judged), ["unsent", "unsent"]);
+        // a request-level answer (a plain 500) marks no record: nothing is sent again
+        let whole = judge_reply(Kind::KafkaRestV2, &reply(500, "oops"), "k", 2);
+        let judged = resend_refused(whole, &[], &refs[..2], || false, |_| unreachable!());
+        assert_eq!(kinds(judged), ["retry", "retry"]);
     }
 }

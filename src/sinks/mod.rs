@@ -142,9 +142,10 @@ pub enum Verdict {
     },
     /// Refused for good, as far as the sink says (a 4xx; a 413 for one event; a record a broker
     /// refuses as too large or not valid): dead-lettered once the sink is shown to take other
-    /// events (src/worker/health.rs). A limit lowered by mistake (a proxy's body size, a
-    /// topic's max.message.bytes) refuses every event: the sink is then suspended, not its
-    /// events dead-lettered.
+    /// events (src/worker/health.rs). A limit lowered by mistake (a proxy's body size) refuses
+    /// every event: the sink is then suspended, not its events dead-lettered. (A topic's
+    /// max.message.bytes lowered refuses only that topic's records: the Kafka sinks hold such
+    /// a refusal back until the topic is shown to take records, src/sinks/evidence.rs.)
     Reject {
         error: String,
     },
@@ -240,6 +241,7 @@ impl Client {
     /// on each record by itself: its whole batch goes in one go. No request starts that could
     /// outlast `deadline` (the batch's lease): what is left then goes back unsent.
     pub fn deliver(&self, events: &[Event], deadline: Instant, probe: bool) -> Outcome {
+        let started = Instant::now();
         let alone = |e: &Event| (e.attempt > 1 || probe) && self.config.kind != Kind::Kafka;
         let (retried, first): (Vec<usize>, Vec<usize>) =
             (0..events.len()).partition(|&i| alone(&events[i]));
@@ -266,7 +268,7 @@ impl Client {
                 break; // finish() gives the rest back unsent
             }
             let part: Vec<&Event> = routed.iter().map(|&i| &events[i]).collect();
-            let outcome = self.send(&part, deadline);
+            let outcome = self.send(&part, (started, deadline));
             if let Outcome::Events(verdicts) = &outcome {
                 let failed = routed.iter().zip(verdicts).filter(|(_, v)| v.is_failure());
                 failed_keys.extend(failed.map(|(&i, _)| events[i].aggregate_id.as_str()));
@@ -278,15 +280,20 @@ impl Client {
         tally.finish()
     }
 
-    fn send(&self, events: &[&Event], deadline: Instant) -> Outcome {
+    /// Sends a group of a batch begun at `started`.
+    fn send(&self, events: &[&Event], (started, deadline): (Instant, Instant)) -> Outcome {
         match (&self.transport, self.config.kind) {
             (Transport::Kafka(producer), _) => producer.send(&self.config, events, deadline),
             (Transport::Http { agent, signer }, Kind::Webhook) => {
                 webhook::send(agent, &self.config, signer.as_ref(), events, deadline)
             }
-            (Transport::Http { agent, .. }, _) => {
-                kafka_rest::send(agent, &self.config, &self.topics, events, deadline)
-            }
+            (Transport::Http { agent, .. }, _) => kafka_rest::send(
+                agent,
+                &self.config,
+                &self.topics,
+                events,
+                (started, deadline),
+            ),
         }
     }
 }
