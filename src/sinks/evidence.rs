@@ -64,6 +64,15 @@ impl TopicEvidence {
     }
 }
 
+/// The verdict of a record refused alone that is not yet to blame: it goes back unsent, its
+/// key waiting in order, uncounted, with the refusal and why it is not counted.
+pub fn not_yet_blamed(error: &str, topic: &str) -> super::Verdict {
+    super::Verdict::Unsent {
+        error: format!("{error} (no record to {topic} went through since)"),
+        retry_after: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

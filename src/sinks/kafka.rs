@@ -293,12 +293,7 @@ impl Producer {
                 continue;
             }
             if let Some(Verdict::Reject { error }) = batch.verdict(i) {
-                let error = format!("{error} (no record to {topic} went through since)");
-                let unsent = Verdict::Unsent {
-                    error,
-                    retry_after: None,
-                };
-                batch.replace(i, unsent);
+                batch.replace(i, super::evidence::not_yet_blamed(&error, topic));
             }
         }
     }

@@ -18,7 +18,7 @@
 //! codes, 500xx codes; v3 reports streamed as concatenated JSON objects or sent as an array;
 //! throttling with an HTML body.
 
-use super::evidence::TopicEvidence;
+use super::evidence::{not_yet_blamed, TopicEvidence};
 use super::http::{self, judge_failure, Reply};
 use super::records::{kafka_topic, record_headers};
 use super::{
@@ -196,8 +196,7 @@ fn post_records(batch: &Sending, topic: &str, events: &[&Event]) -> Outcome {
                 1 if refused == [true] => {
                     blame_only_where_the_topic_takes_records(batch, topic, events[0], outcome)
                 }
-                _ if !refused.contains(&true) => outcome, // a request-level answer
-                1 => outcome,
+                1 => outcome, // a request-level answer
                 _ => {
                     took_records(batch, topic, &outcome);
                     resend_refused(outcome, &refused, events, late, |part| {
@@ -232,21 +231,13 @@ fn blame_only_where_the_topic_takes_records(
     if evidence.blames(topic, &event.id, batch.started) {
         return outcome;
     }
-    let error = match outcome {
-        Outcome::Events(mut v) if v.len() == 1 => match v.remove(0) {
-            Verdict::Retry { error, .. } => error,
-            verdict => return Outcome::Events(vec![verdict]),
+    match outcome {
+        Outcome::Events(v) => match v.as_slice() {
+            [Verdict::Retry { error, .. }] => Outcome::all(1, not_yet_blamed(error, topic)),
+            _ => Outcome::Events(v),
         },
-        other => return other,
-    };
-    let error = format!("{error} (no record to {topic} went through since)");
-    Outcome::all(
-        1,
-        Verdict::Unsent {
-            error,
-            retry_after: None,
-        },
-    )
+        down => down,
+    }
 }
 
 /// Records refused perhaps for a batch-mate's sake (record_failure), in a request of several:
