@@ -268,18 +268,16 @@ fn resend_refused(
         1 => send(&part),
         _ => split(&part, out_of_time, send),
     };
-    match judged {
-        Outcome::Events(judged) => {
-            for (&i, verdict) in again.iter().zip(judged) {
-                verdicts[i] = verdict;
-            }
-        }
+    let judged = match judged {
+        Outcome::Events(judged) => judged,
         Outcome::SinkDown { error, retry_after } => {
-            for &i in &again {
-                let (error, retry_after) = (error.clone(), retry_after);
-                verdicts[i] = Verdict::Unsent { error, retry_after };
-            }
+            vec![Verdict::Down { error, retry_after }; again.len()]
         }
+    };
+    for (&i, verdict) in again.iter().zip(judged) {
+        // a record sent again that found the proxy down waits, uncounted, whatever went
+        // through: it was refused perhaps for a batch-mate, and now not judged at all
+        verdicts[i] = verdict.unsent_if_down().unwrap_or(verdict);
     }
     Outcome::Events(verdicts)
 }
@@ -510,6 +508,7 @@ mod tests {
                 .map(|v| match v {
                     Verdict::Delivered | Verdict::Skipped => "ok",
                     Verdict::Retry { .. } => "retry",
+                    Verdict::Down { .. } => "down",
                     Verdict::Reject { .. } | Verdict::Invalid { .. } => "reject",
                     Verdict::Unsent { .. } | Verdict::HeldBack => "unsent",
                 })

@@ -158,6 +158,15 @@ pub enum Verdict {
     /// Not sent because an earlier event of its key in the batch failed (settle keeps a failed
     /// key's later events back whatever is said of them).
     HeldBack,
+    /// Carried by a request that found the sink down (Outcome::SinkDown) while nothing of its
+    /// batch had gone through (else it is Unsent: Tally::record): the worker judges it
+    /// (src/worker/health.rs), as a retry when the sink is shown healthy for other events,
+    /// else by giving the batch back. The batch's events no request carried are Unsent:
+    /// nothing can be said of them.
+    Down {
+        error: String,
+        retry_after: Option<Duration>,
+    },
     /// Not attempted, or refused for a reason of the sink's own (throttled, a topic it lacks,
     /// no report by the deadline, the batch out of time): never blamed on the event. Its key
     /// waits, in order, with no attempt counted (settle's `"attempted": false`).
@@ -171,14 +180,26 @@ impl Verdict {
     pub fn is_failure(&self) -> bool {
         !matches!(self, Verdict::Delivered | Verdict::Skipped)
     }
+
+    /// For a Down verdict, the same failure as not sent.
+    pub fn unsent_if_down(&self) -> Option<Verdict> {
+        match self {
+            Verdict::Down { error, retry_after } => Some(Verdict::Unsent {
+                error: error.clone(),
+                retry_after: *retry_after,
+            }),
+            _ => None,
+        }
+    }
 }
 
-/// What became of a batch.
+/// What became of a request, or of a batch (Client::deliver: always Events).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
     /// The whole request failed in a way that points at the sink (unreachable, TLS, 401, 404,
-    /// 5xx from a gateway): the worker blames the events only when the sink is shown healthy
-    /// for other events (src/worker/health.rs); otherwise the batch goes back unattempted.
+    /// 5xx from a gateway). Its events become Down (Tally::record): the worker blames them only
+    /// when the sink is shown healthy for other events (src/worker/health.rs); otherwise the
+    /// batch goes back unattempted.
     SinkDown {
         error: String,
         retry_after: Option<Duration>,
@@ -243,19 +264,19 @@ impl Client {
     pub fn deliver(&self, events: &[Event], deadline: Instant, probe: bool) -> Outcome {
         let started = Instant::now();
         let alone = |e: &Event| (e.attempt > 1 || probe) && self.config.kind != Kind::Kafka;
-        let (retried, first): (Vec<usize>, Vec<usize>) =
-            (0..events.len()).partition(|&i| alone(&events[i]));
         let mut tally = Tally::new(events.len());
+        // routed away first: skipped whether or not the batch stops before their group
+        let (routed, skipped): (Vec<usize>, Vec<usize>) =
+            (0..events.len()).partition(|&i| self.config.routes(&events[i]));
+        for i in skipped {
+            tally.set(i, Verdict::Skipped);
+        }
+        let (retried, first): (Vec<usize>, Vec<usize>) =
+            routed.into_iter().partition(|&i| alone(&events[i]));
         let mut failed_keys: Vec<&str> = Vec::new();
         let groups = std::iter::once(first).chain(retried.into_iter().map(|i| vec![i]));
         for group in groups {
-            let (routed, skipped): (Vec<usize>, Vec<usize>) = group
-                .into_iter()
-                .partition(|&i| self.config.routes(&events[i]));
-            for i in skipped {
-                tally.set(i, Verdict::Skipped);
-            }
-            let (held, routed): (Vec<usize>, Vec<usize>) = routed
+            let (held, routed): (Vec<usize>, Vec<usize>) = group
                 .into_iter()
                 .partition(|&i| failed_keys.contains(&events[i].aggregate_id.as_str()));
             for i in held {
@@ -308,7 +329,10 @@ pub fn out_of_time(config: &Config, deadline: Instant) -> bool {
 /// The verdicts of a batch sent in several requests. When the sink goes down after part of the
 /// batch got through, giving the whole batch back would send that part again: instead the part
 /// that got through is acked and the rest goes back unsent (its keys wait, no attempt
-/// counted); later batches find the sink down at their first request and are given back whole.
+/// counted). A batch that finds the sink down before anything of it went through has only the
+/// events that request carried marked Down (Verdict::Down), for the worker to judge; later
+/// batches find the sink down at their first request too, and are given back whole unless
+/// the sink is shown healthy.
 pub struct Tally {
     verdicts: Vec<Option<Verdict>>,
     any_sent: bool,
@@ -327,22 +351,31 @@ impl Tally {
     }
 
     /// Takes a request's outcome for the events `indexes`; Some(outcome of the whole batch)
-    /// when the sink is down and the batch must stop.
+    /// when the sink is down and the batch must stop. Only the events the request carried are
+    /// Down, and only while nothing of the batch has gone through; the rest go back unsent.
     pub fn record(&mut self, indexes: &[usize], outcome: Outcome) -> Option<Outcome> {
-        match outcome {
-            Outcome::Events(verdicts) => {
-                for (&i, v) in indexes.iter().zip(verdicts) {
-                    self.any_sent |= v == Verdict::Delivered;
-                    self.verdicts[i] = Some(v);
-                }
-                None
+        let verdicts = match outcome {
+            Outcome::Events(verdicts) => verdicts,
+            Outcome::SinkDown { error, retry_after } => {
+                vec![Verdict::Down { error, retry_after }; indexes.len()]
             }
-            Outcome::SinkDown { error, retry_after } if self.any_sent => {
-                let unsent = Verdict::Unsent { error, retry_after };
-                Some(self.finish_with(unsent))
-            }
-            down => Some(down),
+        };
+        let unsent = verdicts.iter().find_map(Verdict::unsent_if_down);
+        for (&i, v) in indexes.iter().zip(verdicts) {
+            self.any_sent |= v == Verdict::Delivered;
+            self.verdicts[i] = Some(v);
         }
+        let unsent = unsent?;
+        if self.any_sent {
+            // part of the batch got through: sending it again would duplicate it, so the part
+            // the sink did not take waits, uncounted
+            for v in self.verdicts.iter_mut().flatten() {
+                if let Some(not_sent) = v.unsent_if_down() {
+                    *v = not_sent;
+                }
+            }
+        }
+        Some(self.finish_with(unsent))
     }
 
     /// The verdicts; an event no request carried (the batch ran out of time) goes back unsent:
@@ -554,10 +587,57 @@ mod tests {
     }
 
     #[test]
-    fn a_sink_down_at_the_first_request_gives_the_batch_back() {
-        let mut tally = Tally::new(3);
+    fn a_sink_found_down_before_anything_went_through_marks_down_only_what_it_carried() {
+        let mut tally = Tally::new(4);
         tally.set(2, Verdict::Skipped); // skipped by routing: not a delivery
-        assert_eq!(tally.record(&[0, 1], down()), Some(down()));
+        let Some(Outcome::Events(v)) = tally.record(&[0, 1], down()) else {
+            panic!("expected verdicts");
+        };
+        let was_down = Verdict::Down {
+            error: "refused".into(),
+            retry_after: None,
+        };
+        assert_eq!(v[..3], [was_down.clone(), was_down, Verdict::Skipped]);
+        assert!(
+            matches!(&v[3], Verdict::Unsent { .. }),
+            "not carried: unsent"
+        );
+    }
+
+    #[test]
+    fn a_batch_whose_first_request_finds_the_sink_down_sends_no_retried_head() {
+        // a sink that closes each connection unanswered: down, as a restarting receiver is
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        let url = format!("http://{}/", listener.local_addr().expect("bound"));
+        let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = requests.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                drop(conn);
+            }
+        });
+        let mut config = test_config(Kind::Webhook, &url);
+        config.topics = Some(vec!["mine".into()]);
+        let client = Client::new(config).expect("a client");
+        let mut events: Vec<Event> = ["a", "b", "head", "away"].map(test_event).to_vec();
+        for e in &mut events[..3] {
+            e.topic = Some("mine".into());
+        }
+        events[2].attempt = 3; // a parked key's head: it would go alone, after the rest
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let Outcome::Events(v) = client.deliver(&events, deadline, false) else {
+            panic!("expected verdicts");
+        };
+        assert!(matches!(v[0], Verdict::Down { .. }), "{v:?}");
+        assert!(matches!(v[1], Verdict::Down { .. }), "{v:?}");
+        assert!(
+            matches!(v[2], Verdict::Unsent { .. }),
+            "the head was not sent: {v:?}"
+        );
+        assert_eq!(v[3], Verdict::Skipped, "routed away");
+        let requests = requests.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(requests, 1, "only the first request was made");
     }
 
     #[test]

@@ -211,17 +211,33 @@ impl Health {
         let verdicts = match outcome {
             Outcome::Events(verdicts) => verdicts,
             Outcome::SinkDown { error, retry_after } => {
-                let ids: Vec<&str> = batch.events.iter().map(|e| e.id.as_str()).collect();
-                let healthy = self.shown_healthy(started, &ids);
-                self.remember(&ids, now);
-                if healthy {
-                    let retry = Verdict::Retry { error, retry_after };
-                    return Judgement::Settle(vec![retry; batch.events.len()]);
-                }
-                self.note_failing(batch.events.iter().map(|e| e.aggregate_id.as_str()));
-                return self.give_back(error, retry_after, was_probe, now);
+                vec![Verdict::Down { error, retry_after }; batch.events.len()]
             }
         };
+        if let Some((error, retry_after)) = verdicts.iter().find_map(down) {
+            // the sink was found down with nothing of the batch through (sinks::Tally): only
+            // the events that request carried are blamed, and only if the sink is shown
+            // healthy; the others (heads to go alone, routed away) keep their verdicts
+            let carried: Vec<&crate::sinks::Event> = (batch.events.iter().zip(&verdicts))
+                .filter(|(_, v)| down(v).is_some())
+                .map(|(e, _)| e)
+                .collect();
+            let ids: Vec<&str> = carried.iter().map(|e| e.id.as_str()).collect();
+            let healthy = self.shown_healthy(started, &ids);
+            // remembered with them: the batch's events the sink answered about before it was
+            // found down (a webhook's single events, earlier Kafka REST rounds)
+            let answered = (batch.events.iter().zip(&verdicts))
+                .filter(|(_, v)| down(v).is_some() || about_the_event(v))
+                .map(|(e, _)| e);
+            let answered: Vec<&crate::sinks::Event> = answered.collect();
+            let answered_ids: Vec<&str> = answered.iter().map(|e| e.id.as_str()).collect();
+            self.remember(&answered_ids, now);
+            if healthy {
+                return Judgement::Settle(verdicts.into_iter().map(blamed).collect());
+            }
+            self.note_failing(answered.iter().map(|e| e.aggregate_id.as_str()));
+            return self.give_back(error, retry_after, was_probe, now);
+        }
         // what the sink said of each key's first failure (a held-back event says nothing)
         let said: Vec<(&crate::sinks::Event, &Verdict)> = (batch.events.iter().zip(&verdicts))
             .filter(|(_, v)| v.is_failure() && **v != Verdict::HeldBack)
@@ -406,6 +422,22 @@ fn unsent(verdicts: Vec<Verdict>, error: &str, retry_after: Option<Duration>) ->
     verdicts.into_iter().map(not_sent).collect()
 }
 
+/// A Down verdict's error (Verdict::Down).
+fn down(v: &Verdict) -> Option<(String, Option<Duration>)> {
+    match v {
+        Verdict::Down { error, retry_after } => Some((error.clone(), *retry_after)),
+        _ => None,
+    }
+}
+
+/// A Down verdict blamed on its event, as a failed attempt; any other verdict as it is.
+fn blamed(v: Verdict) -> Verdict {
+    match v {
+        Verdict::Down { error, retry_after } => Verdict::Retry { error, retry_after },
+        other => other,
+    }
+}
+
 fn clamp_retry_after(d: Duration) -> Duration {
     d.clamp(RETRY_AFTER_MIN, RETRY_AFTER_MAX)
 }
@@ -419,9 +451,9 @@ fn unsent_retry_after(v: &Verdict) -> Option<Option<Duration>> {
 
 fn failure(v: &Verdict) -> Option<(String, Option<Duration>)> {
     match v {
-        Verdict::Retry { error, retry_after } | Verdict::Unsent { error, retry_after } => {
-            Some((error.clone(), *retry_after))
-        }
+        Verdict::Retry { error, retry_after }
+        | Verdict::Unsent { error, retry_after }
+        | Verdict::Down { error, retry_after } => Some((error.clone(), *retry_after)),
         Verdict::Reject { error } | Verdict::Invalid { error } => Some((error.clone(), None)),
         Verdict::Delivered | Verdict::Skipped | Verdict::HeldBack => None,
     }
@@ -514,6 +546,38 @@ mod tests {
         h.judge(&batch(3, &["y"]), ok, Instant::now());
         let j = h.judge(&batch(2, &["p"]), down(), Instant::now());
         assert!(matches!(j, Judgement::Settle(_)), "{j:?}");
+    }
+
+    #[test]
+    fn a_sink_found_down_on_a_healthy_sink_blames_only_the_events_the_request_carried() {
+        let mut h = Health::default();
+        let t0 = Instant::now();
+        h.judge(
+            &batch(1, &["x"]),
+            Outcome::all(1, Verdict::Delivered),
+            t0 + Duration::from_millis(1),
+        );
+        let was_down = Verdict::Down {
+            error: "HTTP 502".into(),
+            retry_after: None,
+        };
+        let not_carried = Verdict::Unsent {
+            error: "HTTP 502".into(),
+            retry_after: None,
+        };
+        let outcome = Outcome::Events(vec![was_down, not_carried.clone(), Verdict::Skipped]);
+        let Judgement::Settle(v) = h.judge(&batch(2, &["a", "head", "away"]), outcome, t0) else {
+            panic!("a sink shown healthy since: the carried event is blamed");
+        };
+        assert!(
+            matches!(&v[0], Verdict::Retry { error, .. } if error == "HTTP 502"),
+            "{v:?}"
+        );
+        assert_eq!(
+            v[1..],
+            [not_carried, Verdict::Skipped],
+            "the rest is not counted"
+        );
     }
 
     #[test]
