@@ -164,10 +164,13 @@ class Receiver(_Server):
 
 class FaultProxy(_Server):
     """Forwards to `upstream`, except: 500 with probability p500, 429 (Retry-After: 1) with
-    p429, and a hang longer than the sink's timeout with p_hang (before forwarding)."""
+    p429, and a hang longer than the sink's timeout with p_hang (before forwarding). A forward
+    whose answer came `slow` seconds or more after the request arrived is counted in
+    faults["slow"]: the sink may have timed out on it, and sent again what was delivered."""
 
-    def __init__(self, upstream: str, p500=0.0, p429=0.0, p_hang=0.0, hang=3.0, seed=7):
+    def __init__(self, upstream: str, p500=0.0, p429=0.0, p_hang=0.0, hang=3.0, seed=7, slow=0.5):
         self.upstream, self.p500, self.p429, self.p_hang, self.hang = upstream, p500, p429, p_hang, hang
+        self.slow = slow
         self.random = random.Random(seed)
         self.faults: dict[str, int] = defaultdict(int)
         super().__init__()
@@ -191,6 +194,9 @@ class FaultProxy(_Server):
                 return reply.status, {}, reply.read()
         except urllib.error.HTTPError as e:
             return e.code, {}, e.read()
+        finally:
+            if time.time() - request.at >= self.slow:
+                self.faults["slow"] += 1
 
 
 def certificates(directory: Path) -> dict[str, Path]:
