@@ -211,6 +211,7 @@ EARLIER_DUMPS = ([(v, "custom") for v in RELEASED[RELEASED.index("0.6.0"):]]
                  + [("0.18.0", "plain"), (RELEASED[-1], "plain")])
 
 
+@pytest.mark.every_release
 @pytest.mark.parametrize("old, fmt", EARLIER_DUMPS)
 def test_a_dump_of_an_earlier_release_restores_into_this_one(cluster, new_database, old, fmt):
     """Moving to a new server: a dump made at an earlier version restored where this one is

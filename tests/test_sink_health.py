@@ -88,7 +88,7 @@ def test_a_fault_of_the_whole_sink_dead_letters_nothing(conn, new_sink, fault):
         suspended = wait_for(lambda: (s := status(conn, sink))["sink_state"] == "suspended" and s, timeout=10)
         assert suspended["sink_state_reason"] and suspended["sink_state_since"] is not None
         assert suspended["sink_next_probe_at"] is not None
-        time.sleep(4)                      # the fault lasts: probes fail, nothing is blamed
+        time.sleep(2)                      # the fault lasts: three probes fail, nothing is blamed
         during = status(conn, sink)
         assert (during["dead_letters"], during["parked_keys"], during["failed_total"] or 0) == (0, 0, 0)
         assert during["undelivered"] == 200 and during["sink_state"] == "suspended"

@@ -14,6 +14,7 @@ from support.relay import Relay, first_deliveries
 from support.versions import NEW, RELEASED
 
 
+@pytest.mark.every_release
 @pytest.mark.parametrize("old", RELEASED)
 def test_update_keeps_pending_events_and_parked_keys_in_order(cluster, new_database, old):
     with cluster.connect(new_database()) as db:
@@ -137,6 +138,7 @@ def test_update_while_relays_claim_and_settle_loses_nothing(cluster, new_databas
         assert all(order == sorted(order) for order in first), "per-key order kept"
 
 
+@pytest.mark.every_release
 @pytest.mark.parametrize("old", RELEASED)
 def test_update_is_rerunnable_and_leaves_the_catalog_of_a_fresh_install(cluster, new_database, old):
     fresh, upgraded = new_database(), new_database()
