@@ -46,7 +46,8 @@ def pytest_collection_modifyitems(config, items):
                   and item.callspec.params.get("old") not in MIDDLE_MAJOR_RELEASES]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if item not in set(deselected)]
+        gone = set(deselected)
+        items[:] = [item for item in items if item not in gone]
 
 
 # A failing test's report carries what the server logged while it ran (the worker's warnings

@@ -271,7 +271,7 @@ fn resend_refused(
     let judged = match judged {
         Outcome::Events(judged) => judged,
         Outcome::SinkDown { error, retry_after } => {
-            vec![Verdict::Down { error, retry_after }; again.len()]
+            vec![Verdict::Unsent { error, retry_after }; again.len()]
         }
     };
     for (&i, verdict) in again.iter().zip(judged) {

@@ -218,18 +218,18 @@ impl Health {
             // the sink was found down with nothing of the batch through (sinks::Tally): only
             // the events that request carried are blamed, and only if the sink is shown
             // healthy; the others (heads to go alone, routed away) keep their verdicts
-            let carried: Vec<&crate::sinks::Event> = (batch.events.iter().zip(&verdicts))
-                .filter(|(_, v)| down(v).is_some())
-                .map(|(e, _)| e)
+            let is_down = |v: &Verdict| matches!(v, Verdict::Down { .. });
+            let carried: Vec<&str> = (batch.events.iter().zip(&verdicts))
+                .filter(|(_, v)| is_down(v))
+                .map(|(e, _)| e.id.as_str())
                 .collect();
-            let ids: Vec<&str> = carried.iter().map(|e| e.id.as_str()).collect();
-            let healthy = self.shown_healthy(started, &ids);
+            let healthy = self.shown_healthy(started, &carried);
             // remembered with them: the batch's events the sink answered about before it was
             // found down (a webhook's single events, earlier Kafka REST rounds)
-            let answered = (batch.events.iter().zip(&verdicts))
-                .filter(|(_, v)| down(v).is_some() || about_the_event(v))
-                .map(|(e, _)| e);
-            let answered: Vec<&crate::sinks::Event> = answered.collect();
+            let answered: Vec<&crate::sinks::Event> = (batch.events.iter().zip(&verdicts))
+                .filter(|(_, v)| is_down(v) || about_the_event(v))
+                .map(|(e, _)| e)
+                .collect();
             let answered_ids: Vec<&str> = answered.iter().map(|e| e.id.as_str()).collect();
             self.remember(&answered_ids, now);
             if healthy {
