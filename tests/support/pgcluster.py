@@ -6,6 +6,7 @@ PostgreSQL trees under target/pg that scripts/lib.sh prepares and installs outbo
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -32,13 +33,32 @@ def install_released_scripts(major: str) -> None:
     share = subprocess.run([str(PG_CONFIG[major]), "--sharedir"], check=True, capture_output=True,
                            text=True).stdout.strip()
     for script in (ROOT / "tests/fixtures").glob("outbox_ext--*.sql"):
-        shutil.copyfile(script, Path(share) / "extension" / script.name)
+        target = Path(share) / "extension" / script.name
+        if not target.exists() or target.read_bytes() != script.read_bytes():
+            # by rename: a server of the other half of the suite (scripts/test) may be reading it
+            part = target.with_name(f".{script.name}.{os.getpid()}")
+            shutil.copyfile(script, part)
+            part.replace(target)
+
+
+# OUTBOX_TEST_PORTS ("low-high") keeps this process's ports apart from another's: scripts/test
+# runs two halves of the suite side by side, and a port one has picked but not yet bound could
+# otherwise be picked by the other. Without it, the kernel picks.
+_PORTS = [int(bound) for bound in os.environ["OUTBOX_TEST_PORTS"].split("-")] if "OUTBOX_TEST_PORTS" in os.environ else None
+_next_port = itertools.count(_PORTS[0]) if _PORTS else None
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        port = next(_next_port) if _PORTS else 0
+        if _PORTS and port > _PORTS[1]:
+            raise RuntimeError(f"no free port left in OUTBOX_TEST_PORTS={_PORTS}")
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
 
 
 def as_postgres(*cmd: str, check: bool = True, capture: bool = True) -> subprocess.CompletedProcess:
