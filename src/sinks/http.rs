@@ -181,6 +181,42 @@ pub struct Reply {
     pub body: String,
 }
 
+/// A request that got no reply: a transport failure (http::post).
+#[derive(Debug)]
+pub struct NoReply {
+    pub error: String,
+    /// It never reached the receiver: no address, no connection or no TLS session, so nothing
+    /// the request carried can have caused it (Outcome::SinkDown's `blameable`).
+    pub unreached: bool,
+}
+
+impl std::fmt::Display for NoReply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.error)
+    }
+}
+
+/// Whether a transport failure happened before the request reached the receiver (NoReply).
+/// TLS failures come from rustls as I/O errors of kind InvalidData (a certificate expired or
+/// not trusted, a handshake refused); a reset, an end of stream or a timeout after connecting
+/// may be the receiver failing on what it was sent.
+fn never_reached(error: &ureq::Error) -> bool {
+    use std::io::ErrorKind::*;
+    match error {
+        ureq::Error::HostNotFound | ureq::Error::ConnectionFailed | ureq::Error::Tls(_) => true,
+        ureq::Error::Timeout(ureq::Timeout::Resolve | ureq::Timeout::Connect) => true,
+        ureq::Error::Io(e) => matches!(
+            e.kind(),
+            ConnectionRefused
+                | HostUnreachable
+                | NetworkUnreachable
+                | AddrNotAvailable
+                | InvalidData
+        ),
+        _ => false,
+    }
+}
+
 /// POSTs `body` and reads at most `keep` bytes of the reply, all within `timeout` (connect,
 /// send, wait, headers and body); Err is a transport failure (connect, TLS, timeout, reset)
 /// before the status came. A reply that stops or stalls after its status keeps what came.
@@ -191,7 +227,7 @@ pub fn post(
     body: &[u8],
     timeout: Duration,
     keep: u64,
-) -> Result<Reply, String> {
+) -> Result<Reply, NoReply> {
     DEADLINE.with(|d| d.set(Some(Instant::now() + timeout)));
     let reply = exchange(agent, url, headers, body, keep);
     DEADLINE.with(|d| d.set(None));
@@ -204,14 +240,15 @@ fn exchange(
     headers: &[(String, String)],
     body: &[u8],
     keep: u64,
-) -> Result<Reply, String> {
+) -> Result<Reply, NoReply> {
     let mut request = agent.post(url);
     for (name, value) in headers {
         request = request.header(name.as_str(), value.as_str());
     }
-    let mut response = request
-        .send(body)
-        .map_err(|e| format!("{}: {e}", host_of(url)))?;
+    let mut response = request.send(body).map_err(|e| NoReply {
+        error: format!("{}: {e}", host_of(url)),
+        unreached: never_reached(&e),
+    })?;
     let status = response.status().as_u16();
     let retry_after = response
         .headers()
@@ -224,7 +261,10 @@ fn exchange(
     let reader = response.body_mut().with_config().limit(u64::MAX).reader();
     let read = reader.take(keep).read_to_end(&mut kept);
     if let (Err(e), false) = (read, (200..300).contains(&status)) {
-        return Err(format!("HTTP {status}, reading the reply: {e}"));
+        return Err(NoReply {
+            error: format!("HTTP {status}, reading the reply: {e}"),
+            unreached: false,
+        });
     }
     Ok(Reply {
         status,
@@ -249,7 +289,11 @@ pub fn host_of(url: &str) -> &str {
 ///   whatever else the sink does: they go back unsent and the sink is slowed;
 /// - a sink that is unavailable, refuses our credentials or moved (401, 403, 404, 407, 410,
 ///   502, 503, 504, a CDN's 520-530 for an origin it cannot reach, redirects), or our
-///   connection or headers (421, 426, 431: the sink's settings): about the sink;
+///   connection or headers (421, 426, 431: the sink's settings): about the sink. Refused
+///   credentials (401, 407) and connection settings are never blamed on the events (a secret
+///   rotated on some of the receiver's instances); the others may be, on a sink shown healthy
+///   (a 403 from a firewall that reads bodies, a 404 for an entity the event names, a 502
+///   from a receiver that crashed on it);
 /// - 408, 409, 423, 425 (busy with the same event, locked, too early) and other 5xx may be
 ///   caused by the events, or pass: retried per key, with backoff;
 /// - any other 4xx (400, 413, 422, ...) refuses the events for good, as far as the sink says
@@ -264,9 +308,16 @@ pub fn judge_failure(reply: &Reply, what: &str, n: usize) -> Outcome {
     match reply.status {
         429 => Outcome::all(n, Verdict::Unsent { error, retry_after }),
         503 if retry_after.is_some() => Outcome::all(n, Verdict::Unsent { error, retry_after }),
-        401 | 403 | 404 | 407 | 410 | 421 | 426 | 431 | 502..=504 | 520..=530 | 300..=399 => {
-            Outcome::SinkDown { error, retry_after }
-        }
+        401 | 407 | 421 | 426 | 431 => Outcome::SinkDown {
+            error,
+            retry_after,
+            blameable: false,
+        },
+        403 | 404 | 410 | 502..=504 | 520..=530 | 300..=399 => Outcome::SinkDown {
+            error,
+            retry_after,
+            blameable: true,
+        },
         status if refuses_for_good(status) => Outcome::all(n, Verdict::Reject { error }),
         _ => Outcome::all(n, Verdict::Retry { error, retry_after }),
     }
@@ -385,12 +436,23 @@ mod tests {
             retry_after: None,
             body: String::new(),
         };
-        for status in [
-            401, 403, 404, 407, 410, 421, 431, 503, 502, 504, 521, 530, 301,
-        ] {
+        for status in [403, 404, 410, 503, 502, 504, 521, 530, 301] {
             assert!(matches!(
                 judge_failure(&reply(status), "x", 1),
-                Outcome::SinkDown { .. }
+                Outcome::SinkDown {
+                    blameable: true,
+                    ..
+                }
+            ));
+        }
+        // never the events': our credentials or connection settings refused
+        for status in [401, 407, 421, 426, 431] {
+            assert!(matches!(
+                judge_failure(&reply(status), "x", 1),
+                Outcome::SinkDown {
+                    blameable: false,
+                    ..
+                }
             ));
         }
         assert!(
@@ -434,5 +496,54 @@ mod tests {
         assert!(certificates("no pem here").is_err());
         let garbage = "-----BEGIN CERTIFICATE-----\nAAAAAAAAAAAA\n-----END CERTIFICATE-----\n";
         assert!(certificates(garbage).is_err());
+    }
+
+    fn post_to(url: &str) -> Result<Reply, NoReply> {
+        let config = crate::sinks::test_config(crate::sinks::Kind::Webhook, url);
+        let agent = agent(&config).expect("an agent");
+        post(&agent, url, &[], b"{}", Duration::from_secs(5), 100)
+    }
+
+    #[test]
+    fn a_connection_refused_never_reached_the_receiver() {
+        // a port just given up: nothing listens there
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let failure = post_to(&format!("http://127.0.0.1:{port}/")).expect_err("refused");
+        assert!(failure.unreached, "{failure}");
+    }
+
+    #[test]
+    fn a_connection_closed_unanswered_may_have_been_the_request() {
+        // a receiver that reads the request and drops the connection: it may have crashed on it
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        let url = format!("http://{}/", listener.local_addr().expect("bound"));
+        std::thread::spawn(move || {
+            for mut conn in listener.incoming().flatten() {
+                let mut buf = [0u8; 4096];
+                let _ = std::io::Read::read(&mut conn, &mut buf);
+                drop(conn);
+            }
+        });
+        let failure = post_to(&url).expect_err("no reply");
+        assert!(!failure.unreached, "{failure}");
+    }
+
+    #[test]
+    fn a_tls_handshake_that_fails_never_reached_the_receiver() {
+        // a plain-text server spoken to over TLS: no session, nothing of the request sent
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        let url = format!("https://{}/", listener.local_addr().expect("bound"));
+        std::thread::spawn(move || {
+            for mut conn in listener.incoming().flatten() {
+                let mut buf = [0u8; 4096];
+                let _ = std::io::Read::read(&mut conn, &mut buf);
+                let _ = std::io::Write::write_all(&mut conn, b"HTTP/1.1 400 Bad Request\r\n\r\n");
+            }
+        });
+        let failure = post_to(&url).expect_err("no TLS session");
+        assert!(failure.unreached, "{failure}");
     }
 }

@@ -177,9 +177,10 @@ fn post_records(batch: &Sending, topic: &str, events: &[&Event]) -> Outcome {
     let (timeout, keep) = (config.request_timeout, http::MAX_REPLY_BYTES);
     let late = || out_of_time(config, deadline);
     match http::post(batch.agent, &url, &headers, body.as_bytes(), timeout, keep) {
-        Err(error) => Outcome::SinkDown {
-            error: format!("{what}: {error}"),
+        Err(failure) => Outcome::SinkDown {
+            error: format!("{what}: {failure}"),
             retry_after: None,
+            blameable: false,
         },
         Ok(reply) if refused_whole(config.kind, &reply) && events.len() > 1 => {
             split(events, late, |half| post_records(batch, topic, half))
@@ -270,7 +271,9 @@ fn resend_refused(
     };
     let judged = match judged {
         Outcome::Events(judged) => judged,
-        Outcome::SinkDown { error, retry_after } => {
+        Outcome::SinkDown {
+            error, retry_after, ..
+        } => {
             vec![Verdict::Unsent { error, retry_after }; again.len()]
         }
     };
@@ -327,6 +330,7 @@ pub fn judge_reply(kind: Kind, reply: &Reply, what: &str, n: usize) -> Outcome {
         None if (200..300).contains(&reply.status) => Outcome::SinkDown {
             error: http::describe(reply, &format!("{what} (reply not understood)")),
             retry_after: None,
+            blameable: false,
         },
         // a topic the cluster lacks or denies us is the sink's to fix, never the record's
         None if matches!(reply.status, 401 | 403 | 404) => Outcome::all(
@@ -336,7 +340,24 @@ pub fn judge_reply(kind: Kind, reply: &Reply, what: &str, n: usize) -> Outcome {
                 retry_after: reply.retry_after,
             },
         ),
-        None => judge_failure(reply, what, n),
+        None => proxy_failure(judge_failure(reply, what, n)),
+    }
+}
+
+/// A proxy found down, or failing a request as a whole (no answer, a gateway's 502, a reply
+/// not understood), is never the records' doing: it waits on the brokers (a v2 proxy answers
+/// only once every record is acknowledged, so a partition short of in-sync replicas times the
+/// request out), and its records wait, uncounted, whatever the sink delivers meanwhile.
+fn proxy_failure(outcome: Outcome) -> Outcome {
+    match outcome {
+        Outcome::SinkDown {
+            error, retry_after, ..
+        } => Outcome::SinkDown {
+            error,
+            retry_after,
+            blameable: false,
+        },
+        outcome => outcome,
     }
 }
 
@@ -375,7 +396,8 @@ fn record_verdict(report: &Value, what: &str) -> Verdict {
 
 /// What a record's error code says:
 /// - a topic name Kafka refuses (17): the record's beyond doubt, dead-lettered at once;
-/// - refused by the brokers for its content (10, 18: too large; 87: not valid), or by the
+/// - refused by the brokers for its content (10, 18: too large, as v3 proxies since Confluent
+///   Platform 7.6 also say with 413; 87: not valid), or by the
 ///   proxy's producer for any reason it will not retry (50002, the old 1; 40002): the record's
 ///   perhaps, or a batch-mate's (a broker refuses a whole record batch for one record) or a
 ///   passing state's (a proxy's skewed clock, a fenced producer): sent again at once if its
@@ -408,7 +430,7 @@ fn record_failure(code: i64, error: String) -> Verdict {
 
 /// A record code that may be a batch-mate's doing, or a passing state's (record_failure).
 fn perhaps_a_batch_mates(code: i64) -> bool {
-    matches!(code, 10 | 18 | 87 | 1 | 50002 | 40002)
+    matches!(code, 10 | 18 | 87 | 1 | 413 | 50002 | 40002)
 }
 
 /// v2 records in the binary embedded format: the key's and the payload's bytes (the payload
@@ -560,6 +582,25 @@ mod tests {
     }
 
     #[test]
+    fn a_proxy_failing_a_whole_request_is_never_blamed_on_its_records() {
+        let unblameable = |o: Outcome| {
+            matches!(
+                o,
+                Outcome::SinkDown {
+                    blameable: false,
+                    ..
+                }
+            )
+        };
+        for kind in [Kind::KafkaRestV2, Kind::KafkaRestV3] {
+            for (status, body) in [(200, "<html>"), (502, ""), (504, "gateway")] {
+                let outcome = judge_reply(kind, &reply(status, body), "k", 2);
+                assert!(unblameable(outcome.clone()), "{status}: {outcome:?}");
+            }
+        }
+    }
+
+    #[test]
     fn v3_streamed_reports() {
         let v3 = Kind::KafkaRestV3;
         let body = r#"{"error_code":200,"topic_name":"t","partition_id":0,"offset":3}
@@ -572,6 +613,13 @@ mod tests {
         assert_eq!(
             kinds(judge_reply(v3, &reply(200, array), "k", 4)),
             ["ok", "unsent", "retry", "reject"]
+        );
+        // too large (Confluent Platform 7.6 on): perhaps the topic's limit lowered by mistake,
+        // so held back as a batch-mate's refusal is, never dead-lettered at once
+        let too_large = r#"{"error_code":413,"message":"RecordTooLargeException"}"#;
+        assert_eq!(
+            kinds(judge_reply(v3, &reply(200, too_large), "k", 1)),
+            ["retry"]
         );
         assert_eq!(
             kinds(judge_reply(
@@ -659,6 +707,7 @@ mod tests {
         let down = |_: &[&Event]| Outcome::SinkDown {
             error: "reset".into(),
             retry_after: None,
+            blameable: false,
         };
         let judged = resend_refused(outcome, &refused, &refs, || false, down);
         assert_eq!(kinds(judged), ["ok", "unsent", "unsent", "unsent"]);

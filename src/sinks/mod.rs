@@ -160,12 +160,13 @@ pub enum Verdict {
     HeldBack,
     /// Carried by a request that found the sink down (Outcome::SinkDown) while nothing of its
     /// batch had gone through (else it is Unsent: Tally::record): the worker judges it
-    /// (src/worker/health.rs), as a retry when the sink is shown healthy for other events,
-    /// else by giving the batch back. The batch's events no request carried are Unsent:
-    /// nothing can be said of them.
+    /// (src/worker/health.rs), as a retry when the sink is shown healthy for other events and
+    /// the failure is `blameable`, else by giving the batch back. The batch's events no
+    /// request carried are Unsent: nothing can be said of them.
     Down {
         error: String,
         retry_after: Option<Duration>,
+        blameable: bool,
     },
     /// Not attempted, or refused for a reason of the sink's own (throttled, a topic it lacks,
     /// no report by the deadline, the batch out of time): never blamed on the event. Its key
@@ -184,7 +185,9 @@ impl Verdict {
     /// For a Down verdict, the same failure as not sent.
     pub fn unsent_if_down(&self) -> Option<Verdict> {
         match self {
-            Verdict::Down { error, retry_after } => Some(Verdict::Unsent {
+            Verdict::Down {
+                error, retry_after, ..
+            } => Some(Verdict::Unsent {
                 error: error.clone(),
                 retry_after: *retry_after,
             }),
@@ -198,11 +201,17 @@ impl Verdict {
 pub enum Outcome {
     /// The whole request failed in a way that points at the sink (unreachable, TLS, 401, 404,
     /// 5xx from a gateway). Its events become Down (Tally::record): the worker blames them only
-    /// when the sink is shown healthy for other events (src/worker/health.rs); otherwise the
-    /// batch goes back unattempted.
+    /// when the sink is shown healthy for other events (src/worker/health.rs), and only if the
+    /// failure is `blameable`; otherwise the batch goes back unattempted.
     SinkDown {
         error: String,
         retry_after: Option<Duration>,
+        /// false when what the request carried cannot have caused it: the request never
+        /// reached the receiver (no connection, DNS, TLS), the receiver refused our credentials
+        /// or connection settings, or a Kafka REST proxy failed (it waits on the brokers). A
+        /// sink that fails so for some requests while delivering others (one bad address or
+        /// pod of several, a secret rotated on some pods) is failing, not its events.
+        blameable: bool,
     },
     /// One verdict per event, in batch order.
     Events(Vec<Verdict>),
@@ -356,8 +365,17 @@ impl Tally {
     pub fn record(&mut self, indexes: &[usize], outcome: Outcome) -> Option<Outcome> {
         let verdicts = match outcome {
             Outcome::Events(verdicts) => verdicts,
-            Outcome::SinkDown { error, retry_after } => {
-                vec![Verdict::Down { error, retry_after }; indexes.len()]
+            Outcome::SinkDown {
+                error,
+                retry_after,
+                blameable,
+            } => {
+                let down = Verdict::Down {
+                    error,
+                    retry_after,
+                    blameable,
+                };
+                vec![down; indexes.len()]
             }
         };
         let unsent = verdicts.iter().find_map(Verdict::unsent_if_down);
@@ -523,6 +541,7 @@ mod tests {
         Outcome::SinkDown {
             error: "refused".into(),
             retry_after: None,
+            blameable: true,
         }
     }
 
@@ -596,6 +615,7 @@ mod tests {
         let was_down = Verdict::Down {
             error: "refused".into(),
             retry_after: None,
+            blameable: true,
         };
         assert_eq!(v[..3], [was_down.clone(), was_down, Verdict::Skipped]);
         assert!(

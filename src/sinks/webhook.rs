@@ -107,9 +107,10 @@ fn post(
         config.request_timeout,
         keep,
     ) {
-        Err(error) => Outcome::SinkDown {
-            error: format!("webhook: {error}"),
+        Err(failure) => Outcome::SinkDown {
+            error: format!("webhook: {failure}"),
             retry_after: None,
+            blameable: !failure.unreached,
         },
         Ok(reply) if (200..300).contains(&reply.status) => {
             Outcome::all(events.len(), Verdict::Delivered)

@@ -210,14 +210,24 @@ impl Health {
         }
         let verdicts = match outcome {
             Outcome::Events(verdicts) => verdicts,
-            Outcome::SinkDown { error, retry_after } => {
-                vec![Verdict::Down { error, retry_after }; batch.events.len()]
+            Outcome::SinkDown {
+                error,
+                retry_after,
+                blameable,
+            } => {
+                let down = Verdict::Down {
+                    error,
+                    retry_after,
+                    blameable,
+                };
+                vec![down; batch.events.len()]
             }
         };
         if let Some((error, retry_after)) = verdicts.iter().find_map(down) {
             // the sink was found down with nothing of the batch through (sinks::Tally): only
-            // the events that request carried are blamed, and only if the sink is shown
-            // healthy; the others (heads to go alone, routed away) keep their verdicts
+            // the events that request carried are blamed, only if the sink is shown healthy,
+            // and only for a failure they may have caused (blamed); the others (heads to go
+            // alone, routed away) keep their verdicts
             let is_down = |v: &Verdict| matches!(v, Verdict::Down { .. });
             let carried: Vec<&str> = (batch.events.iter().zip(&verdicts))
                 .filter(|(_, v)| is_down(v))
@@ -425,15 +435,28 @@ fn unsent(verdicts: Vec<Verdict>, error: &str, retry_after: Option<Duration>) ->
 /// A Down verdict's error (Verdict::Down).
 fn down(v: &Verdict) -> Option<(String, Option<Duration>)> {
     match v {
-        Verdict::Down { error, retry_after } => Some((error.clone(), *retry_after)),
+        Verdict::Down {
+            error, retry_after, ..
+        } => Some((error.clone(), *retry_after)),
         _ => None,
     }
 }
 
-/// A Down verdict blamed on its event, as a failed attempt; any other verdict as it is.
+/// A Down verdict on a sink shown healthy: a failed attempt of its event when the event may
+/// have caused it; else (no connection, credentials refused: one bad instance of the
+/// receiver's several) it waits, uncounted. Any other verdict as it is.
 fn blamed(v: Verdict) -> Verdict {
     match v {
-        Verdict::Down { error, retry_after } => Verdict::Retry { error, retry_after },
+        Verdict::Down {
+            error,
+            retry_after,
+            blameable: true,
+        } => Verdict::Retry { error, retry_after },
+        Verdict::Down {
+            error,
+            retry_after,
+            blameable: false,
+        } => Verdict::Unsent { error, retry_after },
         other => other,
     }
 }
@@ -453,7 +476,9 @@ fn failure(v: &Verdict) -> Option<(String, Option<Duration>)> {
     match v {
         Verdict::Retry { error, retry_after }
         | Verdict::Unsent { error, retry_after }
-        | Verdict::Down { error, retry_after } => Some((error.clone(), *retry_after)),
+        | Verdict::Down {
+            error, retry_after, ..
+        } => Some((error.clone(), *retry_after)),
         Verdict::Reject { error } | Verdict::Invalid { error } => Some((error.clone(), None)),
         Verdict::Delivered | Verdict::Skipped | Verdict::HeldBack => None,
     }
@@ -533,8 +558,9 @@ mod tests {
         let t0 = Instant::now();
         let ok = Outcome::all(1, Verdict::Delivered);
         let down = || Outcome::SinkDown {
-            error: "HTTP 401".into(),
+            error: "HTTP 502".into(),
             retry_after: None,
+            blameable: true,
         };
         h.judge(&batch(1, &["x"]), ok.clone(), t0);
         let j = h.judge(&batch(2, &["p"]), down(), t0 + Duration::from_millis(1));
@@ -560,6 +586,7 @@ mod tests {
         let was_down = Verdict::Down {
             error: "HTTP 502".into(),
             retry_after: None,
+            blameable: true,
         };
         let not_carried = Verdict::Unsent {
             error: "HTTP 502".into(),
@@ -577,6 +604,33 @@ mod tests {
             v[1..],
             [not_carried, Verdict::Skipped],
             "the rest is not counted"
+        );
+    }
+
+    #[test]
+    fn a_sink_failing_a_request_for_a_reason_of_its_own_never_blames_it_even_shown_healthy() {
+        // one instance of the receiver's several refuses connections (or has an old secret)
+        // while the others deliver: its requests' events wait, uncounted
+        let mut h = Health::default();
+        let t0 = Instant::now();
+        let refused = || Outcome::SinkDown {
+            error: "connection refused".into(),
+            retry_after: None,
+            blameable: false,
+        };
+        let later = t0 + Duration::from_millis(1);
+        h.judge(
+            &batch(2, &["y"]),
+            Outcome::all(1, Verdict::Delivered),
+            later,
+        );
+        // a request that started after x's delivered: shown healthy
+        let Judgement::Settle(v) = h.judge(&batch(1, &["x"]), refused(), t0) else {
+            panic!("a sink shown healthy: settled, not given back");
+        };
+        assert!(
+            matches!(&v[0], Verdict::Unsent { error, .. } if error == "connection refused"),
+            "not counted: {v:?}"
         );
     }
 

@@ -471,9 +471,10 @@ fn failures(batch: &Batch, verdicts: &[Verdict]) -> (String, Settled) {
             Verdict::Reject { error } | Verdict::Invalid { error } => (error, None, true, true),
             // (a Down verdict is judged before settling, and blamed as Retry: one that was not
             // is not counted)
-            Verdict::Unsent { error, retry_after } | Verdict::Down { error, retry_after } => {
-                (error, *retry_after, false, false)
-            }
+            Verdict::Unsent { error, retry_after }
+            | Verdict::Down {
+                error, retry_after, ..
+            } => (error, *retry_after, false, false),
             Verdict::HeldBack => (&held_back, None, false, false),
         };
         let mut failure = serde_json::json!({
