@@ -43,6 +43,10 @@ pub fn agent(config: &Config) -> Result<ureq::Agent, String> {
 thread_local! {
     /// When the request this thread is making must be over (see WithDeadline).
     static DEADLINE: Cell<Option<Instant>> = const { Cell::new(None) };
+    /// Whether the request this thread is making has written any of itself to the receiver:
+    /// past the connection and the TLS handshake, which the first write of a TLS session
+    /// makes (NoReply's `unreached`).
+    static SENT: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Ends every exchange at its deadline: ureq's own timeouts bound each wait for the socket,
@@ -96,7 +100,11 @@ impl Transport for Deadlined {
     }
 
     fn transmit_output(&mut self, amount: usize, timeout: NextTimeout) -> Result<(), ureq::Error> {
-        self.inner.transmit_output(amount, Self::bounded(timeout)?)
+        let written = self.inner.transmit_output(amount, Self::bounded(timeout)?);
+        if written.is_ok() {
+            SENT.with(|sent| sent.set(true));
+        }
+        written
     }
 
     fn await_input(&mut self, timeout: NextTimeout) -> Result<bool, ureq::Error> {
@@ -185,35 +193,15 @@ pub struct Reply {
 #[derive(Debug)]
 pub struct NoReply {
     pub error: String,
-    /// It never reached the receiver: no address, no connection or no TLS session, so nothing
-    /// the request carried can have caused it (Outcome::SinkDown's `blameable`).
+    /// It never reached the receiver: no address, no connection or no TLS session (nothing of
+    /// it was written), so nothing the request carried can have caused it
+    /// (Outcome::SinkDown's `blameable`).
     pub unreached: bool,
 }
 
 impl std::fmt::Display for NoReply {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.error)
-    }
-}
-
-/// Whether a transport failure happened before the request reached the receiver (NoReply).
-/// TLS failures come from rustls as I/O errors of kind InvalidData (a certificate expired or
-/// not trusted, a handshake refused); a reset, an end of stream or a timeout after connecting
-/// may be the receiver failing on what it was sent.
-fn never_reached(error: &ureq::Error) -> bool {
-    use std::io::ErrorKind::*;
-    match error {
-        ureq::Error::HostNotFound | ureq::Error::ConnectionFailed | ureq::Error::Tls(_) => true,
-        ureq::Error::Timeout(ureq::Timeout::Resolve | ureq::Timeout::Connect) => true,
-        ureq::Error::Io(e) => matches!(
-            e.kind(),
-            ConnectionRefused
-                | HostUnreachable
-                | NetworkUnreachable
-                | AddrNotAvailable
-                | InvalidData
-        ),
-        _ => false,
     }
 }
 
@@ -229,6 +217,7 @@ pub fn post(
     keep: u64,
 ) -> Result<Reply, NoReply> {
     DEADLINE.with(|d| d.set(Some(Instant::now() + timeout)));
+    SENT.with(|sent| sent.set(false));
     let reply = exchange(agent, url, headers, body, keep);
     DEADLINE.with(|d| d.set(None));
     reply
@@ -247,7 +236,7 @@ fn exchange(
     }
     let mut response = request.send(body).map_err(|e| NoReply {
         error: format!("{}: {e}", host_of(url)),
-        unreached: never_reached(&e),
+        unreached: !SENT.with(Cell::get),
     })?;
     let status = response.status().as_u16();
     let retry_after = response
@@ -290,10 +279,10 @@ pub fn host_of(url: &str) -> &str {
 /// - a sink that is unavailable, refuses our credentials or moved (401, 403, 404, 407, 410,
 ///   502, 503, 504, a CDN's 520-530 for an origin it cannot reach, redirects), or our
 ///   connection or headers (421, 426, 431: the sink's settings): about the sink. Refused
-///   credentials (401, 407) and connection settings are never blamed on the events (a secret
-///   rotated on some of the receiver's instances); the others may be, on a sink shown healthy
-///   (a 403 from a firewall that reads bodies, a 404 for an entity the event names, a 502
-///   from a receiver that crashed on it);
+///   credentials (401, 407) and connection settings (421, 426) are never blamed on the events
+///   (a secret rotated on some of the receiver's instances); the others may be, on a sink
+///   shown healthy (a 403 from a firewall that reads bodies, a 404 for an entity the event
+///   names, a 431 for an event's trace headers, a 502 from a receiver that crashed on it);
 /// - 408, 409, 423, 425 (busy with the same event, locked, too early) and other 5xx may be
 ///   caused by the events, or pass: retried per key, with backoff;
 /// - any other 4xx (400, 413, 422, ...) refuses the events for good, as far as the sink says
@@ -308,12 +297,12 @@ pub fn judge_failure(reply: &Reply, what: &str, n: usize) -> Outcome {
     match reply.status {
         429 => Outcome::all(n, Verdict::Unsent { error, retry_after }),
         503 if retry_after.is_some() => Outcome::all(n, Verdict::Unsent { error, retry_after }),
-        401 | 407 | 421 | 426 | 431 => Outcome::SinkDown {
+        401 | 407 | 421 | 426 => Outcome::SinkDown {
             error,
             retry_after,
             blameable: false,
         },
-        403 | 404 | 410 | 502..=504 | 520..=530 | 300..=399 => Outcome::SinkDown {
+        403 | 404 | 410 | 431 | 502..=504 | 520..=530 | 300..=399 => Outcome::SinkDown {
             error,
             retry_after,
             blameable: true,
@@ -436,7 +425,7 @@ mod tests {
             retry_after: None,
             body: String::new(),
         };
-        for status in [403, 404, 410, 503, 502, 504, 521, 530, 301] {
+        for status in [403, 404, 410, 431, 503, 502, 504, 521, 530, 301] {
             assert!(matches!(
                 judge_failure(&reply(status), "x", 1),
                 Outcome::SinkDown {
@@ -446,7 +435,7 @@ mod tests {
             ));
         }
         // never the events': our credentials or connection settings refused
-        for status in [401, 407, 421, 426, 431] {
+        for status in [401, 407, 421, 426] {
             assert!(matches!(
                 judge_failure(&reply(status), "x", 1),
                 Outcome::SinkDown {
@@ -512,6 +501,12 @@ mod tests {
             .expect("a free port")
             .port();
         let failure = post_to(&format!("http://127.0.0.1:{port}/")).expect_err("refused");
+        assert!(failure.unreached, "{failure}");
+    }
+
+    #[test]
+    fn a_host_that_does_not_resolve_never_reached_the_receiver() {
+        let failure = post_to("http://outbox-ext-test.invalid/").expect_err("no address");
         assert!(failure.unreached, "{failure}");
     }
 

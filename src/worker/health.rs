@@ -37,7 +37,10 @@
 //!
 //! What the sinks say of a failure is a hint only: `Verdict::Unsent` (throttling, a topic the
 //! cluster lacks, a credential it refuses, no report in time) is never counted, even on a
-//! healthy sink; its key waits, in order, without an attempt.
+//! healthy sink; its key waits, in order, without an attempt. Nor is a request that found the
+//! sink down for a reason nothing it carried can cause (`Verdict::Down` not `blameable`: no
+//! connection, DNS or TLS session, our credentials refused, a Kafka REST proxy failing): on a
+//! healthy sink it is one bad instance of the receiver's several, and its events wait.
 //!
 //! Example: a receiver answering 401 to everything gets every batch back and the sink
 //! suspended; `outbox.status` shows `sink_state = 'suspended'` with the 401 as the reason;
