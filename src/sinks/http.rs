@@ -510,35 +510,33 @@ mod tests {
         assert!(failure.unreached, "{failure}");
     }
 
-    #[test]
-    fn a_connection_closed_unanswered_may_have_been_the_request() {
-        // a receiver that reads the request and drops the connection: it may have crashed on it
+    /// A server on a free port that reads what comes on each connection, writes `reply`
+    /// (nothing: it just closes) and closes; its address.
+    fn answering(reply: &'static [u8]) -> std::net::SocketAddr {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
-        let url = format!("http://{}/", listener.local_addr().expect("bound"));
+        let address = listener.local_addr().expect("bound");
         std::thread::spawn(move || {
             for mut conn in listener.incoming().flatten() {
                 let mut buf = [0u8; 4096];
                 let _ = std::io::Read::read(&mut conn, &mut buf);
-                drop(conn);
+                let _ = std::io::Write::write_all(&mut conn, reply);
             }
         });
-        let failure = post_to(&url).expect_err("no reply");
+        address
+    }
+
+    #[test]
+    fn a_connection_closed_unanswered_may_have_been_the_request() {
+        // a receiver that reads the request and drops the connection: it may have crashed on it
+        let failure = post_to(&format!("http://{}/", answering(b""))).expect_err("no reply");
         assert!(!failure.unreached, "{failure}");
     }
 
     #[test]
     fn a_tls_handshake_that_fails_never_reached_the_receiver() {
         // a plain-text server spoken to over TLS: no session, nothing of the request sent
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
-        let url = format!("https://{}/", listener.local_addr().expect("bound"));
-        std::thread::spawn(move || {
-            for mut conn in listener.incoming().flatten() {
-                let mut buf = [0u8; 4096];
-                let _ = std::io::Read::read(&mut conn, &mut buf);
-                let _ = std::io::Write::write_all(&mut conn, b"HTTP/1.1 400 Bad Request\r\n\r\n");
-            }
-        });
-        let failure = post_to(&url).expect_err("no TLS session");
+        let address = answering(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+        let failure = post_to(&format!("https://{address}/")).expect_err("no TLS session");
         assert!(failure.unreached, "{failure}");
     }
 }

@@ -222,6 +222,25 @@ impl Outcome {
     pub fn all(n: usize, verdict: Verdict) -> Outcome {
         Outcome::Events(vec![verdict; n])
     }
+
+    /// The verdicts of the `n` events of a request: Down for each, when it found the sink down.
+    pub fn into_verdicts(self, n: usize) -> Vec<Verdict> {
+        match self {
+            Outcome::Events(verdicts) => verdicts,
+            Outcome::SinkDown {
+                error,
+                retry_after,
+                blameable,
+            } => {
+                let down = Verdict::Down {
+                    error,
+                    retry_after,
+                    blameable,
+                };
+                vec![down; n]
+            }
+        }
+    }
 }
 
 /// A sink ready to deliver: its configuration and how it reaches the sink.
@@ -363,21 +382,7 @@ impl Tally {
     /// when the sink is down and the batch must stop. Only the events the request carried are
     /// Down, and only while nothing of the batch has gone through; the rest go back unsent.
     pub fn record(&mut self, indexes: &[usize], outcome: Outcome) -> Option<Outcome> {
-        let verdicts = match outcome {
-            Outcome::Events(verdicts) => verdicts,
-            Outcome::SinkDown {
-                error,
-                retry_after,
-                blameable,
-            } => {
-                let down = Verdict::Down {
-                    error,
-                    retry_after,
-                    blameable,
-                };
-                vec![down; indexes.len()]
-            }
-        };
+        let verdicts = outcome.into_verdicts(indexes.len());
         let unsent = verdicts.iter().find_map(Verdict::unsent_if_down);
         for (&i, v) in indexes.iter().zip(verdicts) {
             self.any_sent |= v == Verdict::Delivered;

@@ -211,21 +211,7 @@ impl Health {
         if was_probe {
             self.probe = None;
         }
-        let verdicts = match outcome {
-            Outcome::Events(verdicts) => verdicts,
-            Outcome::SinkDown {
-                error,
-                retry_after,
-                blameable,
-            } => {
-                let down = Verdict::Down {
-                    error,
-                    retry_after,
-                    blameable,
-                };
-                vec![down; batch.events.len()]
-            }
-        };
+        let verdicts = outcome.into_verdicts(batch.events.len());
         if let Some((error, retry_after)) = verdicts.iter().find_map(down) {
             // the sink was found down with nothing of the batch through (sinks::Tally): only
             // the events that request carried are blamed, only if the sink is shown healthy,
