@@ -441,12 +441,7 @@ fn blamed(v: Verdict) -> Verdict {
             retry_after,
             blameable: true,
         } => Verdict::Retry { error, retry_after },
-        Verdict::Down {
-            error,
-            retry_after,
-            blameable: false,
-        } => Verdict::Unsent { error, retry_after },
-        other => other,
+        other => other.unsent_if_down().unwrap_or(other),
     }
 }
 

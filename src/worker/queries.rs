@@ -469,8 +469,8 @@ fn failures(batch: &Batch, verdicts: &[Verdict]) -> (String, Settled) {
             Verdict::Skipped => continue, // not this sink's: settled as delivered, not counted
             Verdict::Retry { error, retry_after } => (error, *retry_after, false, true),
             Verdict::Reject { error } | Verdict::Invalid { error } => (error, None, true, true),
-            // (a Down verdict is judged before settling, and blamed as Retry: one that was not
-            // is not counted)
+            // (a Down verdict is judged before settling: blamed as Retry, or Unsent when not
+            // blameable; one left Down is not counted)
             Verdict::Unsent { error, retry_after }
             | Verdict::Down {
                 error, retry_after, ..

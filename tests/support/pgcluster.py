@@ -44,21 +44,22 @@ def install_released_scripts(major: str) -> None:
 # OUTBOX_TEST_PORTS ("low-high") keeps this process's ports apart from another's: scripts/test
 # runs two halves of the suite side by side, and a port one has picked but not yet bound could
 # otherwise be picked by the other. Without it, the kernel picks.
-_PORTS = [int(bound) for bound in os.environ["OUTBOX_TEST_PORTS"].split("-")] if "OUTBOX_TEST_PORTS" in os.environ else None
-_next_port = itertools.count(_PORTS[0]) if _PORTS else None
+_RANGE = os.environ.get("OUTBOX_TEST_PORTS")
+_CANDIDATES = (iter(range(int(_RANGE.split("-")[0]), int(_RANGE.split("-")[1]) + 1)) if _RANGE
+               else itertools.repeat(0))  # 0: the kernel picks
 
 
 def free_port() -> int:
-    while True:
-        port = next(_next_port) if _PORTS else 0
-        if _PORTS and port > _PORTS[1]:
-            raise RuntimeError(f"no free port left in OUTBOX_TEST_PORTS={_PORTS}")
+    for port in _CANDIDATES:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
-                continue
+                if port == 0:
+                    raise
+                continue  # taken: the next one
             return s.getsockname()[1]
+    raise RuntimeError(f"no free port left in OUTBOX_TEST_PORTS={_RANGE}")
 
 
 def as_postgres(*cmd: str, check: bool = True, capture: bool = True) -> subprocess.CompletedProcess:
