@@ -145,6 +145,28 @@ def test_bad_failures_are_refused_with_22023_and_settle_nothing(db, relay, failu
     assert relay.settle(batch[0].shard, batch[0].epoch) == 0, "the batch is still held"
 
 
+@pytest.mark.parametrize("bad, says", [
+    ('{"id": "not-a-uuid"}', "invalid input syntax for type uuid"),
+    ('{"id": "00000000-0000-0000-0000-000000000000", "colour": "red"}', "not an object with an id"),
+    ('7', "not an object with an id"),
+    ('{"id": "00000000-0000-0000-0000-000000000000", "retry_after": "31 days"}', "retry_after 31 days is out of range"),
+    ('{"id": "00000000-0000-0000-0000-000000000000", "final": true, "attempted": false}', "cannot be final"),
+])
+def test_a_bad_failure_among_good_ones_is_named_with_its_place_and_why(db, relay, bad, says):
+    """The failures are read together; one that is invalid is still named by its place in the
+    array, with what is wrong with it, whatever came before it."""
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    batch = relay.claim()
+    good = f'{{"id": "{batch[0].id}", "error": "HTTP 500"}}'
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as e:
+        db.execute("SELECT outbox.settle('sink', %s, %s, %s::jsonb)",
+                   (batch[0].shard, batch[0].epoch, f"[{good}, {good}, {bad}]"))
+    assert e.value.diag.message_primary.startswith("failure 3 of failures is invalid: ")
+    assert says in e.value.diag.message_primary
+    assert e.value.diag.message_detail.startswith("It is ")
+    assert relay.settle(batch[0].shard, batch[0].epoch) == 0, "the batch is still held"
+
+
 def test_if_recording_a_failure_fails_the_rest_settles_and_status_says_why(cluster, db, relay):
     a, b, c = keys_in_shard(db, 1, 3)
     batch, by_key = emit_batch(db, relay, {a: 2, b: 2, c: 1})
@@ -699,10 +721,11 @@ def test_a_failure_behind_a_replay_into_a_riding_keys_queue_is_not_charged_to_th
 
 
 def test_a_batch_with_hundreds_of_failures_records_them_together(db, relay):
-    """The failures of a batch are recorded set-based: one call of each recording function for
-    300 failed keys (several statements per failed key made a drain with 5% of its events
-    failing run at a tenth of the rate of one without), each key parked with its attempt
-    counted, the final ones dead-lettered with their later events queued."""
+    """The failures of a batch are read, found and recorded set-based: one call of each
+    function for 300 failed keys, none per failure (several statements per failed key made a
+    drain with 5% of its events failing run at a tenth of the rate of one without), each key
+    parked with its attempt counted, the final ones dead-lettered with their later events
+    queued."""
     keys = keys_in_shard(db, 11, 300)
     relay.batch_size = 1000
     for i in range(3):
@@ -716,9 +739,11 @@ def test_a_batch_with_hundreds_of_failures_records_them_together(db, relay):
         db.execute("SET LOCAL track_functions = 'all'")
         assert relay.settle(batch[0].shard, batch[0].epoch, failures) == 900
         calls = dict(db.execute(
-            "SELECT f, pg_stat_get_xact_function_calls(('outbox_internal.' || f)::regproc) "
-            "FROM unnest(ARRAY['_fail_keys', '_keys_failed', '_fail_key_or_say_why']) f").fetchall())
-    assert calls == {"_fail_keys": 1, "_keys_failed": 1, "_fail_key_or_say_why": None}
+            "SELECT f, pg_stat_get_xact_function_calls(to_regproc('outbox_internal.' || f)) "
+            "FROM unnest(ARRAY['_failures', '_failures_read', '_check_failure', '_resolve', '_fail_keys', "
+            "                  '_keys_failed', '_fail_key_or_say_why']) f").fetchall())
+    assert calls == {"_failures": 1, "_failures_read": 1, "_check_failure": None, "_resolve": 1,
+                     "_fail_keys": 1, "_keys_failed": 1, "_fail_key_or_say_why": None}
     assert db.execute("SELECT count(*), sum(attempts) FROM outbox._parked").fetchone() == (300, 270)
     assert db.execute("SELECT count(*) FROM outbox._parked_events").fetchone()[0] == 270 * 3 + 30 * 2
     assert sorted(d[0] for d in dead(db)) == sorted(keys[::10])
