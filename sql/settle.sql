@@ -68,7 +68,7 @@ END
 $$;
 
 -- _failures' reading of a JSON array of failures, checked, in one statement (not one per
--- failure: #38). Raises 22xxx for the first invalid failure met, without saying which.
+-- failure: #38). Raises 22xxx for an invalid failure, without saying which (_failures finds it).
 CREATE OR REPLACE FUNCTION outbox_internal._failures_read(failures jsonb) RETURNS outbox_internal._failure[]
     LANGUAGE plpgsql IMMUTABLE
 AS $$
@@ -126,23 +126,22 @@ DECLARE
     unknown  uuid;
 BEGIN
     WITH found AS (
-        SELECT u.i, u.event_id, u.error, u.retry_after, u.final, u.attempted, h.head,
+        SELECT u.ordinality, u.event_id, u.error, u.retry_after, u.final, u.attempted, h.head,
                coalesce(q.aggregate_id, b.aggregate_id) AS aggregate_id,
                -- a head's place in its key's order is its place in the queue (pos): a
                -- replayed event is queued behind events with higher seqs
                coalesce(q.pos, b.seq) AS seq
-          FROM unnest(failures) WITH ORDINALITY AS u(event_id, aggregate_id, seq, head, error,
-                                                     retry_after, final, attempted, i)
+          FROM unnest(failures) WITH ORDINALITY AS u
          CROSS JOIN LATERAL (SELECT coalesce(u.event_id = ANY (cur.heads), false) AS head) h
           LEFT JOIN LATERAL (SELECT q.aggregate_id, q.pos FROM outbox._parked_events q
                               WHERE h.head AND q.consumer_id = c.id AND q.id = u.event_id
                              OFFSET 0) q ON true  -- a lookup per head, not a join of all queues
-          LEFT JOIN LATERAL (SELECT b.aggregate_id, b.seq FROM unnest(batch) b
-                              WHERE NOT h.head AND b.id = u.event_id LIMIT 1) b ON true)
-    SELECT (SELECT f.event_id FROM found f WHERE NOT f.head AND f.aggregate_id IS NULL ORDER BY f.i LIMIT 1),
+          LEFT JOIN unnest(batch) b ON NOT h.head AND b.id = u.event_id)  -- ids are unique in a batch
+    SELECT (SELECT f.event_id FROM found f WHERE NOT f.head AND f.aggregate_id IS NULL
+             ORDER BY f.ordinality LIMIT 1),
            ARRAY(SELECT ROW(f.event_id, f.aggregate_id, f.seq, f.head, f.error, f.retry_after, f.final,
                             f.attempted)::outbox_internal._failure
-                   FROM found f WHERE f.aggregate_id IS NOT NULL ORDER BY f.i)
+                   FROM found f WHERE f.aggregate_id IS NOT NULL ORDER BY f.ordinality)
       INTO unknown, resolved;
     IF unknown IS NOT NULL THEN
         RAISE EXCEPTION 'event % is not in the batch of shard % with epoch %', unknown, cur.shard, cur.epoch
@@ -172,7 +171,7 @@ BEGIN
         WITH page AS MATERIALIZED (
             SELECT w FROM outbox_internal._window_events(cur, cur.batch_end, NULL, since, until) w),
         keys AS (
-            SELECT (p.w).aggregate_id FROM page p WHERE (p.w).id = ANY (ids)
+            SELECT (p.w).aggregate_id FROM page p WHERE (p.w).id IN (SELECT unnest(ids))
             UNION
             SELECT q.aggregate_id FROM unnest(ids) AS x(id)
              CROSS JOIN LATERAL (SELECT q.aggregate_id FROM outbox._parked_events q

@@ -735,6 +735,10 @@ def test_a_batch_with_hundreds_of_failures_records_them_together(db, relay):
     assert len(batch) == 900
     firsts = [next(e for e in batch if e.aggregate_id == k) for k in keys]
     failures = [relay.failure(e, "HTTP 503", final=n % 10 == 0) for n, e in enumerate(firsts)]
+    counted = ['_failures', '_failures_read', '_check_failure', '_resolve', '_fail_keys', '_keys_failed',
+               '_fail_key_or_say_why']
+    assert db.execute("SELECT bool_and(to_regproc('outbox_internal.' || f) IS NOT NULL) FROM unnest(%s::text[]) f",
+                      (counted,)).fetchone()[0], "each counted function is there: None below is no call"
     with db.transaction():
         db.execute("SET LOCAL track_functions = 'all'")
         assert relay.settle(batch[0].shard, batch[0].epoch, failures) == 900
