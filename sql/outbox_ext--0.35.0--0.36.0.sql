@@ -13,6 +13,8 @@
 
 -- (_resolve took one failure at a time; its new form takes them all)
 DROP FUNCTION IF EXISTS outbox_internal._resolve(outbox.consumers, outbox._cursor_log, outbox.events[], outbox_internal._failure);
+-- (_batch read all of a batch's events; it now reads those of some keys too)
+DROP FUNCTION IF EXISTS outbox_internal._batch(outbox._cursor_log);
 
 -- settle's failures argument, a JSON array of {"id", "error", "retry_after", "final",
 -- "attempted"}: checked, as unresolved failures. retry_after is a number of seconds or an
@@ -140,12 +142,12 @@ BEGIN
 END
 $$;
 
--- The events of the batch a cursor holds out that belong to the keys of events ids (events of
--- the batch, or parked heads it handed out), in seq order: what recording those failures
--- reads. Read from the window once; only those kept (a batch's events with their payloads, all
--- of them, cost more to collect than to read).
-CREATE OR REPLACE FUNCTION outbox_internal._failed_keys_events(c outbox.consumers, cur outbox._cursor_log,
-                                                               ids uuid[]) RETURNS outbox.events[]
+-- The events of the batch a cursor holds out, read from its window, in seq order: all of them,
+-- or (ids given: failed events of the batch, or parked heads it handed out) those of the keys
+-- of ids, what recording those failures reads (collecting all of a batch's events with their
+-- payloads cost more than reading them).
+CREATE OR REPLACE FUNCTION outbox_internal._batch(cur outbox._cursor_log, c outbox.consumers DEFAULT NULL,
+                                                  ids uuid[] DEFAULT NULL) RETURNS outbox.events[]
     LANGUAGE plpgsql STABLE
 AS $$
 DECLARE
@@ -166,7 +168,8 @@ BEGIN
                                   WHERE q.consumer_id = c.id AND q.id = x.id
                                  OFFSET 0) q  -- each head looked up, not a scan of all queues
              WHERE x.id = ANY (cur.heads))
-        SELECT p.w FROM page p WHERE (p.w).aggregate_id IN (SELECT k.aggregate_id FROM keys k)
+        SELECT p.w FROM page p
+         WHERE ids IS NULL OR (p.w).aggregate_id IN (SELECT k.aggregate_id FROM keys k)
          ORDER BY (p.w).seq);
 END
 $$;
@@ -180,8 +183,7 @@ CREATE OR REPLACE FUNCTION outbox_internal._fail_batch(c outbox.consumers, cur o
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    batch  outbox.events[] := outbox_internal._failed_keys_events(
-                                  c, cur, ARRAY(SELECT f.event_id FROM unnest(failures) f));
+    batch  outbox.events[] := outbox_internal._batch(cur, c, ARRAY(SELECT f.event_id FROM unnest(failures) f));
     firsts outbox_internal._failure[];
     f      outbox_internal._failure;
     kept   int := 0;
@@ -216,7 +218,7 @@ BEGIN
     PERFORM outbox_internal._check_failure(event_id, retry_after);
     cur := outbox_internal._leased(c.id, shard, epoch);
     -- a head's key's events of the page too: they may ride behind it
-    batch := outbox_internal._failed_keys_events(c, cur, ARRAY[event_id]);
+    batch := outbox_internal._batch(cur, c, ARRAY[event_id]);
     resolved := outbox_internal._resolve(c, cur, batch, ARRAY[f]);
     IF cardinality(resolved) > 0 THEN
         PERFORM outbox_internal._fail_keys(c, cur, batch, resolved);
@@ -227,5 +229,4 @@ $$;
 REVOKE ALL ON FUNCTION outbox_internal._failures_read(jsonb) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox_internal._resolve(outbox.consumers, outbox._cursor_log, outbox.events[],
                                                 outbox_internal._failure[]) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox_internal._failed_keys_events(outbox.consumers, outbox._cursor_log, uuid[])
-    FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox_internal._batch(outbox._cursor_log, outbox.consumers, uuid[]) FROM PUBLIC;

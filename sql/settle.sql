@@ -152,12 +152,12 @@ BEGIN
 END
 $$;
 
--- The events of the batch a cursor holds out that belong to the keys of events ids (events of
--- the batch, or parked heads it handed out), in seq order: what recording those failures
--- reads. Read from the window once; only those kept (a batch's events with their payloads, all
--- of them, cost more to collect than to read).
-CREATE OR REPLACE FUNCTION outbox_internal._failed_keys_events(c outbox.consumers, cur outbox._cursor_log,
-                                                               ids uuid[]) RETURNS outbox.events[]
+-- The events of the batch a cursor holds out, read from its window, in seq order: all of them,
+-- or (ids given: failed events of the batch, or parked heads it handed out) those of the keys
+-- of ids, what recording those failures reads (collecting all of a batch's events with their
+-- payloads cost more than reading them).
+CREATE OR REPLACE FUNCTION outbox_internal._batch(cur outbox._cursor_log, c outbox.consumers DEFAULT NULL,
+                                                  ids uuid[] DEFAULT NULL) RETURNS outbox.events[]
     LANGUAGE plpgsql STABLE
 AS $$
 DECLARE
@@ -178,23 +178,9 @@ BEGIN
                                   WHERE q.consumer_id = c.id AND q.id = x.id
                                  OFFSET 0) q  -- each head looked up, not a scan of all queues
              WHERE x.id = ANY (cur.heads))
-        SELECT p.w FROM page p WHERE (p.w).aggregate_id IN (SELECT k.aggregate_id FROM keys k)
+        SELECT p.w FROM page p
+         WHERE ids IS NULL OR (p.w).aggregate_id IN (SELECT k.aggregate_id FROM keys k)
          ORDER BY (p.w).seq);
-END
-$$;
-
--- The events of the batch a cursor holds out, read from its window.
-CREATE OR REPLACE FUNCTION outbox_internal._batch(cur outbox._cursor_log) RETURNS outbox.events[]
-    LANGUAGE plpgsql STABLE
-AS $$
-DECLARE
-    since timestamptz := outbox_internal._window_since(cur, outbox_internal._newest_seal());
-    until timestamptz := outbox_internal._reach();
-BEGIN
-    IF cur.batch_end IS NOT DISTINCT FROM cur.after_seq THEN
-        RETURN '{}';  -- heads alone: the claim handed out nothing of the window (_claim_parked)
-    END IF;
-    RETURN ARRAY(SELECT w FROM outbox_internal._window_events(cur, cur.batch_end, NULL, since, until) w);
 END
 $$;
 
@@ -331,8 +317,7 @@ CREATE OR REPLACE FUNCTION outbox_internal._fail_batch(c outbox.consumers, cur o
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    batch  outbox.events[] := outbox_internal._failed_keys_events(
-                                  c, cur, ARRAY(SELECT f.event_id FROM unnest(failures) f));
+    batch  outbox.events[] := outbox_internal._batch(cur, c, ARRAY(SELECT f.event_id FROM unnest(failures) f));
     firsts outbox_internal._failure[];
     f      outbox_internal._failure;
     kept   int := 0;
@@ -406,7 +391,7 @@ BEGIN
     PERFORM outbox_internal._check_failure(event_id, retry_after);
     cur := outbox_internal._leased(c.id, shard, epoch);
     -- a head's key's events of the page too: they may ride behind it
-    batch := outbox_internal._failed_keys_events(c, cur, ARRAY[event_id]);
+    batch := outbox_internal._batch(cur, c, ARRAY[event_id]);
     resolved := outbox_internal._resolve(c, cur, batch, ARRAY[f]);
     IF cardinality(resolved) > 0 THEN
         PERFORM outbox_internal._fail_keys(c, cur, batch, resolved);
