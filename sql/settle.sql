@@ -74,40 +74,32 @@ CREATE OR REPLACE FUNCTION outbox_internal._failures_read(failures jsonb) RETURN
 AS $$
 DECLARE
     list      outbox_internal._failure[];
-    misshaped boolean;   -- a failure is not an object with an id and known fields only
-    bad       int;       -- a failure says 2: final but not attempted, 3: a retry_after out of range,
-    late      interval;  -- this one
+    misshaped boolean;  -- a failure is not an object with an id and known fields only
 BEGIN
     WITH read AS (
         SELECT x.i, x.f, jsonb_typeof(x.f) = 'object' AND x.f ->> 'id' IS NOT NULL
                          AND CASE WHEN jsonb_typeof(x.f) = 'object'  -- (- raises on a scalar)
                                   THEN x.f - ARRAY['id', 'error', 'retry_after', 'final', 'attempted'] = '{}' END
                          AS shaped
-          FROM jsonb_array_elements(failures) WITH ORDINALITY AS x(f, i)),
-    failure AS (
-        SELECT r.i, ROW((r.f ->> 'id')::uuid, NULL, NULL, NULL, r.f ->> 'error',
-                        CASE jsonb_typeof(r.f -> 'retry_after')
-                            WHEN 'number' THEN make_interval(secs => (r.f ->> 'retry_after')::float8)
-                            ELSE (r.f ->> 'retry_after')::interval END,
-                        coalesce((r.f -> 'final')::boolean, false),
-                        coalesce((r.f -> 'attempted')::boolean, true))::outbox_internal._failure AS one
-          FROM read r WHERE r.shaped)  -- a value is read only from a failure of the right shape
-    SELECT (SELECT array_agg(k.one ORDER BY k.i) FROM failure k),
-           (SELECT bool_or(NOT r.shaped) FROM read r),
-           (SELECT min(CASE WHEN (k.one).final AND NOT (k.one).attempted THEN 2
-                            WHEN (k.one).retry_after < '0' OR (k.one).retry_after > '30 days' THEN 3 END)
-              FROM failure k),
-           (SELECT (k.one).retry_after FROM failure k
-             WHERE (k.one).retry_after < '0' OR (k.one).retry_after > '30 days' LIMIT 1)
-      INTO list, misshaped, bad, late;
+          FROM jsonb_array_elements(failures) WITH ORDINALITY AS x(f, i))
+    SELECT (SELECT array_agg(ROW((r.f ->> 'id')::uuid, NULL, NULL, NULL, r.f ->> 'error',
+                                 CASE jsonb_typeof(r.f -> 'retry_after')
+                                     WHEN 'number' THEN make_interval(secs => (r.f ->> 'retry_after')::float8)
+                                     ELSE (r.f ->> 'retry_after')::interval END,
+                                 coalesce((r.f -> 'final')::boolean, false),
+                                 coalesce((r.f -> 'attempted')::boolean, true))::outbox_internal._failure
+                             ORDER BY r.i)
+              FROM read r WHERE r.shaped),  -- a value is read only from a failure of the right shape
+           (SELECT bool_or(NOT r.shaped) FROM read r)
+      INTO list, misshaped;
     IF misshaped THEN
         RAISE EXCEPTION 'not an object with an id and nothing but error, retry_after, final and attempted'
             USING ERRCODE = 'invalid_parameter_value';
-    ELSIF bad = 2 THEN
+    ELSIF EXISTS (SELECT FROM unnest(list) k WHERE k.final AND NOT k.attempted) THEN
         RAISE EXCEPTION 'a failure not attempted cannot be final' USING ERRCODE = 'invalid_parameter_value';
-    ELSIF bad = 3 THEN
-        PERFORM outbox_internal._check_interval(late, 'retry_after', '30 days', true);
     END IF;
+    PERFORM outbox_internal._check_interval(k.retry_after, 'retry_after', '30 days', true)
+       FROM unnest(list) k WHERE k.retry_after IS NOT NULL;
     RETURN list;
 END
 $$;
