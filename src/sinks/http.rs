@@ -4,7 +4,7 @@
 use super::{Config, Outcome, Verdict};
 use std::cell::Cell;
 use std::io::Read;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 use ureq::tls::{PemItem, RootCerts, TlsConfig};
 use ureq::unversioned::resolver::DefaultResolver;
 use ureq::unversioned::transport::{
@@ -340,53 +340,25 @@ pub fn describe(reply: &Reply, what: &str) -> String {
 /// while the sink delivers everything else.
 pub const RETRY_AFTER_MAX: Duration = Duration::from_secs(300);
 
-/// Retry-After is seconds or an HTTP date (RFC 9110), at most RETRY_AFTER_MAX; nonsense is
-/// ignored.
+/// Retry-After is seconds or an HTTP date (RFC 9110: IMF-fixdate, or the obsolete RFC 850 and
+/// asctime forms a recipient must still accept), at most RETRY_AFTER_MAX; a date already past
+/// is now, and nonsense is ignored.
 pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
-    let seconds = match value.parse::<u64>() {
-        Ok(seconds) => seconds,
-        Err(_) => {
-            let now = now.duration_since(UNIX_EPOCH).ok()?.as_secs();
-            parse_http_date(value)?.saturating_sub(now)
-        }
+    let wait = match value.parse::<u64>() {
+        Ok(seconds) => Duration::from_secs(seconds),
+        Err(_) => httpdate::parse_http_date(value)
+            .ok()?
+            .duration_since(now)
+            .unwrap_or_default(),
     };
-    Some(Duration::from_secs(seconds).min(RETRY_AFTER_MAX))
-}
-
-/// IMF-fixdate, e.g. "Sun, 06 Nov 1994 08:49:37 GMT", as seconds since the epoch.
-fn parse_http_date(value: &str) -> Option<u64> {
-    let parts: Vec<&str> = value.split_whitespace().collect();
-    let [_, day, month, year, time, "GMT"] = parts.as_slice() else {
-        return None;
-    };
-    const MONTHS: [&str; 12] = [
-        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
-    ];
-    let month = MONTHS.iter().position(|m| m == month)? as u64 + 1;
-    let (day, year): (u64, i64) = (day.parse().ok()?, year.parse().ok()?);
-    let hms: Vec<u64> = time.split(':').filter_map(|p| p.parse().ok()).collect();
-    let [h, m, s] = hms.as_slice() else {
-        return None;
-    };
-    let days = days_from_civil(year, month, day)?;
-    Some(days * 86_400 + h * 3600 + m * 60 + s)
-}
-
-/// Days since 1970-01-01 of a Gregorian date (Howard Hinnant's algorithm).
-fn days_from_civil(year: i64, month: u64, day: u64) -> Option<u64> {
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (month as i64 + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day as i64 - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    u64::try_from(era * 146_097 + doe - 719_468).ok()
+    Some(wait.min(RETRY_AFTER_MAX))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::UNIX_EPOCH;
 
     #[test]
     fn retry_after_seconds_and_dates() {
@@ -404,6 +376,15 @@ mod tests {
         assert_eq!(
             parse_retry_after("Mon, 07 Nov 1994 08:49:30 GMT", now),
             Some(RETRY_AFTER_MAX)
+        );
+        // the obsolete forms RFC 9110 (5.6.7) still has recipients accept: RFC 850, asctime
+        assert_eq!(
+            parse_retry_after("Sunday, 06-Nov-94 08:49:37 GMT", now),
+            Some(Duration::from_secs(7))
+        );
+        assert_eq!(
+            parse_retry_after("Sun Nov  6 08:49:37 1994", now),
+            Some(Duration::from_secs(7))
         );
         assert_eq!(parse_retry_after("soon", now), None);
         assert_eq!(parse_retry_after("-1", now), None);
