@@ -15,7 +15,8 @@
 //!
 //! Tolerated variations: v2 replies with 200, 207 or 422 carrying per-record `offsets`;
 //! `error_code` null, 0 or missing on success; old codes 1 (fatal) / 2 (retriable), raw Kafka
-//! codes, 500xx codes; v3 reports streamed as concatenated JSON objects or sent as an array;
+//! codes, 500xx codes; v3 reports streamed as concatenated JSON objects (a stream cut short
+//! counts up to the cut) or sent as an array;
 //! throttling with an HTML body.
 
 use super::evidence::{not_yet_blamed, TopicEvidence};
@@ -366,16 +367,25 @@ fn v2_reports(body: &str) -> Option<Vec<Value>> {
     reply.get("offsets")?.as_array().cloned()
 }
 
-/// v3 streams one JSON object per record; some proxies send one array.
+/// v3 streams one JSON object per record; some proxies send one array. A stream cut short (the
+/// proxy or the connection gone mid-reply) keeps the reports before the cut: those records
+/// went through and are acked, and only the rest, with no report, are sent again.
 fn v3_reports(body: &str) -> Option<Vec<Value>> {
     let mut reports = Vec::new();
-    for value in serde_json::Deserializer::from_str(body).into_iter::<Value>() {
-        match value.ok()? {
-            Value::Array(items) => reports.extend(items),
-            item => reports.push(item),
+    let mut stream = serde_json::Deserializer::from_str(body).into_iter::<Value>();
+    let mut cut = false;
+    for value in stream.by_ref() {
+        match value {
+            Ok(Value::Array(items)) => reports.extend(items),
+            Ok(item) => reports.push(item),
+            Err(_) => {
+                cut = true;
+                break;
+            }
         }
     }
-    Some(reports)
+    // nothing understood at all: the reply is not the proxy's reports
+    (!(cut && reports.is_empty())).then_some(reports)
 }
 
 fn record_verdict(report: &Value, what: &str) -> Verdict {
@@ -613,6 +623,16 @@ mod tests {
         assert_eq!(
             kinds(judge_reply(v3, &reply(200, array), "k", 4)),
             ["ok", "unsent", "retry", "reject"]
+        );
+        // a stream cut mid-reply: the reports before the cut count, the rest go again
+        let cut = r#"{"error_code":200,"offset":3}{"error_code":200,"offset":4}{"error_co"#;
+        assert_eq!(
+            kinds(judge_reply(v3, &reply(200, cut), "k", 3)),
+            ["ok", "ok", "unsent"]
+        );
+        assert_eq!(
+            kinds(judge_reply(v3, &reply(200, "<html>oops</html>"), "k", 2)),
+            ["down"]
         );
         // too large (Confluent Platform 7.6 on): perhaps the topic's limit lowered by mistake,
         // so held back as a batch-mate's refusal is, never dead-lettered at once
