@@ -229,16 +229,9 @@ pub unsafe extern "C-unwind" fn outbox_window_events(
     pg_sys::Datum::from(0)
 }
 
-/// `_any_events(shards int[], floors bigint[], since, until) RETURNS boolean`: whether any
-/// of the shards has an event above its floor, made in [since, until).
-// SAFETY: called by fmgr for outbox_internal._any_events (sql/cursors.sql: LANGUAGE c,
-// STRICT, int[], bigint[] and two timestamptz), in a transaction on the backend's thread.
-#[pg_guard]
-#[unsafe(no_mangle)]
-pub unsafe extern "C-unwind" fn outbox_any_events(
-    fcinfo: pg_sys::FunctionCallInfo,
-) -> pg_sys::Datum {
-    let statement = Statement::AnyEvents(bounds_of(fcinfo, 2));
+/// Connects and runs a statement over the call's (shards int[], floors bigint[]), its first
+/// two arguments; the caller reads the result and finishes.
+unsafe fn run_over_shards(fcinfo: pg_sys::FunctionCallInfo, statement: Statement) {
     connect();
     run(
         statement,
@@ -249,6 +242,18 @@ pub unsafe extern "C-unwind" fn outbox_any_events(
         true,
         std::ptr::null_mut(),
     );
+}
+
+/// `_any_events(shards int[], floors bigint[], since, until) RETURNS boolean`: whether any
+/// of the shards has an event above its floor, made in [since, until).
+// SAFETY: called by fmgr for outbox_internal._any_events (sql/cursors.sql: LANGUAGE c,
+// STRICT, int[], bigint[] and two timestamptz), in a transaction on the backend's thread.
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub unsafe extern "C-unwind" fn outbox_any_events(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    run_over_shards(fcinfo, Statement::AnyEvents(bounds_of(fcinfo, 2)));
     let any = column(1) == Some(pg_sys::Datum::from(true));
     finish();
     pg_sys::Datum::from(any)
@@ -265,17 +270,7 @@ pub unsafe extern "C-unwind" fn outbox_any_events(
 pub unsafe extern "C-unwind" fn outbox_shards_with_new_events(
     fcinfo: pg_sys::FunctionCallInfo,
 ) -> pg_sys::Datum {
-    let statement = Statement::ShardsWithEvents(bounds_of(fcinfo, 2));
-    connect();
-    run(
-        statement,
-        &[
-            (pg_sys::INT4ARRAYOID, Some(arg(fcinfo, 0))),
-            (pg_sys::INT8ARRAYOID, Some(arg(fcinfo, 1))),
-        ],
-        true,
-        std::ptr::null_mut(),
-    );
+    run_over_shards(fcinfo, Statement::ShardsWithEvents(bounds_of(fcinfo, 2)));
     // copied out of SPI's memory before finish frees it
     let shards = column(1).and_then(|d| Vec::<i32>::from_datum(d, false));
     finish();
