@@ -1,10 +1,74 @@
 -- outbox_ext 0.36.0 -> 0.37.0
 --
--- Why: a receiver's Retry-After given as an HTTP date in RFC 850 or asctime form (the obsolete
--- forms RFC 9110 still has recipients accept) was ignored, so its keys or the sink were tried
--- again on the backoff instead of when the receiver asked. The worker now reads all three
--- forms with the httpdate crate. A Kafka REST v3 reply cut short mid-stream was not understood
--- at all and every record of its request went again; now the reports before the cut count.
--- This is in the worker's library; nothing in SQL changes.
+-- Why: a dead letter replayed while the batch that killed it was still out was lost. A relay
+-- rejected a parked key's only queued event (or nacked its last attempt), which emptied the
+-- key's queue and unparked it; outbox.replay then queued the event again; the relay's ack of
+-- the batch delivered the batch's heads by id and took the queued copy for one: the event was
+-- neither queued nor dead any more, and the log was past it. Now a dead letter whose event is a
+-- head of a batch still out stays dead until that batch is settled or given back (replay says
+-- so in a NOTICE).
+--
+-- In the worker's library: a receiver's Retry-After given as an HTTP date in RFC 850 or asctime
+-- form (the obsolete forms RFC 9110 still has recipients accept) was ignored; all three forms
+-- are read now, with the httpdate crate. A Kafka REST v3 reply cut short mid-stream was not
+-- understood at all and every record of its request went again; now the reports before the
+-- cut count.
 
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.37.0'" to load this file. \quit
+
+-- (replay: a dead letter whose event is a head of a batch still out stays dead for now)
+CREATE OR REPLACE FUNCTION outbox.replay(consumer text, aggregate_id text DEFAULT NULL) RETURNS int
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    c       outbox.consumers := outbox_internal._consumer(consumer);
+    n       int;
+    out     uuid[];  -- heads of batches still out: their dead letters wait (see the header)
+    waiting int;
+BEGIN
+    -- Hold every shard of the consumer so no ack unparks a key while we queue into it.
+    PERFORM FROM outbox._shards s WHERE s.consumer_id = c.id ORDER BY s.shard FOR UPDATE;
+    IF NOT FOUND THEN  -- dropped while we waited: its name's dead letters may be another's now
+        RAISE EXCEPTION 'consumer "%" does not exist', consumer
+            USING ERRCODE = 'undefined_object',
+                  HINT = 'It was dropped while outbox.replay waited for its shards.';
+    END IF;
+    out := ARRAY(SELECT h.id
+                   FROM generate_series(0, outbox.shard_count() - 1) AS s(shard)
+                  CROSS JOIN LATERAL outbox_internal._cursor(c.id, s.shard) AS cur
+                  CROSS JOIN LATERAL unnest(cur.heads) AS h(id)
+                  WHERE cur.owner IS NOT NULL);
+    INSERT INTO outbox._parked (consumer_id, aggregate_id, shard, next_attempt_at)
+    SELECT DISTINCT c.id, d.aggregate_id, outbox.shard_of(d.aggregate_id), now()
+      FROM outbox.dead_letters d
+     WHERE d.consumer = c.name AND (replay.aggregate_id IS NULL OR d.aggregate_id = replay.aggregate_id)
+       AND d.event_id <> ALL (out)
+    ON CONFLICT DO NOTHING;
+    WITH moved AS (
+        DELETE FROM outbox.dead_letters d
+         WHERE d.consumer = c.name AND (replay.aggregate_id IS NULL OR d.aggregate_id = replay.aggregate_id)
+           AND d.event_id <> ALL (out)
+        RETURNING d.*)
+    INSERT INTO outbox._parked_events (consumer_id, aggregate_id, id, topic, aggregate_type,
+                                       event_type, payload, headers, created_at, seq)
+    SELECT c.id, m.aggregate_id, m.event_id, m.topic, m.aggregate_type, m.event_type, m.payload,
+           m.headers, m.created_at, m.seq
+      FROM moved m ORDER BY m.id
+    ON CONFLICT (consumer_id, id) DO NOTHING;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    waiting := (SELECT count(*) FROM outbox.dead_letters d
+                 WHERE d.consumer = c.name AND (replay.aggregate_id IS NULL OR d.aggregate_id = replay.aggregate_id)
+                   AND d.event_id = ANY (out));
+    IF waiting > 0 THEN
+        RAISE NOTICE '% dead letter(s) of consumer "%" stay dead for now: their batch is still out', waiting, c.name
+            USING DETAIL = 'A relay rejected them (or nacked their last attempt) and has not settled that batch yet.',
+                  HINT = 'Replay again once the batch is settled, given back, or its lease has run out and a claim took the shard.';
+    END IF;
+    IF n > 0 THEN
+        PERFORM outbox_internal._replan_when_grown('outbox._parked');
+        PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
+    END IF;
+    RETURN n;
+END
+$$;

@@ -339,6 +339,31 @@ def test_a_rejected_event_listed_again_stays_dead(db, relay):
     assert relay.drain() == [], "not delivered again"
 
 
+@pytest.mark.parametrize("how", ["reject", "nack at max_attempts"])
+def test_a_dead_head_replayed_before_its_batch_is_acked_is_not_acked_with_it(db, relay, how):
+    """A parked key's only queued event, handed out as its head, dies by reject (or a nack of
+    its last attempt), which empties the queue and unparks the key; outbox.replay runs before
+    the relay acks the batch. The ack delivers the batch's heads by id: it must not take the
+    event queued again by the replay for delivered (it was refused, and the log is past it)."""
+    a, = keys_in_shard(db, 3, 1)
+    batch, by_key = emit_batch(db, relay, {a: 1})
+    relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(by_key[a][0], "HTTP 503", retry_after="0")])
+    heads = relay.claim()
+    assert [(e.payload["i"], e.attempt) for e in heads] == [(0, 2)]
+    if how == "reject":
+        db.execute("SELECT outbox.reject('sink', %s, %s, %s, 'HTTP 422')", (heads[0].shard, heads[0].epoch, heads[0].id))
+    else:
+        db.execute("UPDATE outbox.consumers SET max_attempts = 2 WHERE name = 'sink'")
+        relay.nack(heads[0], "HTTP 422")
+    assert dead(db) == [(a, 0, "HTTP 422")] and parked(db) == {}
+    replayed = db.execute("SELECT outbox.replay('sink')").fetchone()[0]
+    relay.ack(heads[0].shard, heads[0].epoch)
+    again = db.execute("SELECT outbox.replay('sink')").fetchone()[0]
+    assert replayed + again == 1, "replayed once: while its batch was out, or after"
+    assert [(e.aggregate_id, e.payload["i"]) for e in drain_after_backoff(db, relay)] == [(a, 0)]
+    assert dead(db) == [] and parked(db) == {}
+
+
 def test_a_batch_given_back_after_a_nack_brings_the_keys_events_back_in_order(db, relay):
     """nack parks the key from the failed event on; the relay then gives the batch back instead
     of settling it (release): the key's earlier events of the batch must not come after it."""
