@@ -12,7 +12,8 @@
 -- form (the obsolete forms RFC 9110 still has recipients accept) was ignored; all three forms
 -- are read now, with the httpdate crate. A Kafka REST v3 reply cut short mid-stream was not
 -- understood at all and every record of its request went again; now the reports before the
--- cut count.
+-- cut count. A Kafka REST report with neither error_code nor offset no longer counts as a
+-- record published.
 
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.37.0'" to load this file. \quit
 

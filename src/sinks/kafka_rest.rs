@@ -394,7 +394,14 @@ fn record_verdict(report: &Value, what: &str) -> Verdict {
         .iter()
         .find_map(|k| report.get(*k).and_then(Value::as_str))
         .unwrap_or("");
+    // a success says so: a code of success, or an offset where the code is left out (`{}`
+    // from a gateway that is no proxy is no report of a record published)
+    let offset = report.get("offset").is_some_and(|o| !o.is_null());
     match code {
+        None if message.is_empty() && !offset => Verdict::Unsent {
+            error: format!("{what}: a report with neither error_code nor offset"),
+            retry_after: None,
+        },
         None | Some(0) | Some(200) if message.is_empty() => Verdict::Delivered,
         None | Some(0) | Some(200) => Verdict::Unsent {
             error: format!("{what}: {message}"),
@@ -623,6 +630,11 @@ mod tests {
         assert_eq!(
             kinds(judge_reply(v3, &reply(200, array), "k", 4)),
             ["ok", "unsent", "retry", "reject"]
+        );
+        // no code and no offset: not a report of a record published (a catch-all gateway)
+        assert_eq!(
+            kinds(judge_reply(v3, &reply(200, r#"{}{"status":"ok"}"#), "k", 2)),
+            ["unsent", "unsent"]
         );
         // a stream cut mid-reply: the reports before the cut count, the rest go again
         let cut = r#"{"error_code":200,"offset":3}{"error_code":200,"offset":4}{"error_co"#;
