@@ -8,12 +8,15 @@
 -- head of a batch still out stays dead until that batch is settled or given back (replay says
 -- so in a NOTICE).
 --
--- In the worker's library: a receiver's Retry-After given as an HTTP date in RFC 850 or asctime
--- form (the obsolete forms RFC 9110 still has recipients accept) was ignored; all three forms
--- are read now, with the httpdate crate. A Kafka REST v3 reply cut short mid-stream was not
--- understood at all and every record of its request went again; now the reports before the
--- cut count. A Kafka REST report with neither error_code nor offset no longer counts as a
--- record published.
+-- In the worker's library: an event only throttled no longer counts as having failed when
+-- the sink's health is judged later; one event that failed before no longer makes its
+-- batch-mates' first failures theirs; failures after a batch's last delivery, of two keys or
+-- more (a receiver that starts refusing everything mid-batch), are not counted. A receiver's
+-- Retry-After given as an HTTP date in RFC 850 or asctime form (the obsolete forms RFC 9110
+-- still has recipients accept) was ignored; all three forms are read now, with the httpdate
+-- crate. A Kafka REST v3 reply cut short mid-stream was not understood at all and every
+-- record of its request went again; now the reports before the cut count. A Kafka REST report
+-- with neither error_code nor offset no longer counts as a record published.
 
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.37.0'" to load this file. \quit
 

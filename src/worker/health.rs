@@ -4,10 +4,13 @@
 //! which the worker sees as the sink being gone). A failed request counts against its events
 //! (an attempt spent, a key parked, at last a dead letter) only when the sink is shown healthy
 //! for other events:
-//! - some request of the same batch was delivered (a partial success), or
+//! - some request of the same batch was delivered (a partial success; but failures after the
+//!   batch's last delivery, of two keys or more, are not counted: a receiver that starts
+//!   refusing everything mid-batch looks just so), or
 //! - a request of the sink that started after the failed one delivered something, or
-//! - the sink delivered something since this event last failed (its earlier failure was
-//!   remembered here), or
+//! - the sink delivered something since each failed event last failed as about itself (its
+//!   earlier failure was remembered here; a throttled event is not, and one event failing for
+//!   the first time beside it shows nothing), or
 //! - the failed request carried one key's events, the sink answered it as about those events
 //!   (a retry or a refusal: src/sinks/http.rs judge_failure), delivered other events within
 //!   the last 30 s, and no other key has been answered so since: a poisoned key on a sink
@@ -237,14 +240,10 @@ impl Health {
             self.note_failing(answered.iter().map(|e| e.aggregate_id.as_str()));
             return self.give_back(error, retry_after, was_probe, now);
         }
-        // what the sink said of each key's first failure (a held-back event says nothing)
-        let said: Vec<(&crate::sinks::Event, &Verdict)> = (batch.events.iter().zip(&verdicts))
-            .filter(|(_, v)| v.is_failure() && **v != Verdict::HeldBack)
-            .collect();
-        let failed: Vec<&str> = said.iter().map(|(e, _)| e.id.as_str()).collect();
         if verdicts.contains(&Verdict::Delivered) {
+            let verdicts = unproven_tail_unsent(batch, verdicts);
             self.delivered(started, now);
-            self.remember(&failed, now);
+            self.remember(&answered_about(batch, &verdicts), now);
             if let Some(retry_after) = verdicts.iter().find_map(unsent_retry_after) {
                 // throttled partway: what went through is acked, the rest waits uncounted
                 let pause = retry_after.map_or(SLOW_DOWN, clamp_retry_after);
@@ -252,6 +251,11 @@ impl Health {
             }
             return Judgement::Settle(verdicts);
         }
+        // what the sink said of each key's first failure (a held-back event says nothing)
+        let said: Vec<(&crate::sinks::Event, &Verdict)> = (batch.events.iter().zip(&verdicts))
+            .filter(|(_, v)| v.is_failure() && **v != Verdict::HeldBack)
+            .collect();
+        let about = answered_about(batch, &verdicts);
         let Some((error, retry_after)) = said.iter().find_map(|(_, v)| failure(v)) else {
             return Judgement::Settle(verdicts); // nothing failed (all skipped by routing)
         };
@@ -259,8 +263,8 @@ impl Health {
             .iter()
             .all(|(_, v)| matches!(v, Verdict::Invalid { .. }));
         let healthy =
-            certain || self.shown_healthy(started, &failed) || self.lone_key_failing(&said, now);
-        self.remember(&failed, now);
+            certain || self.shown_healthy(started, &about) || self.lone_key_failing(&said, now);
+        self.remember(&about, now);
         // blamed or not, a key the sink answered as about its events is remembered until the
         // next success: a second key failing alone then is not "a poisoned key" but a sink
         // failing every request
@@ -303,18 +307,20 @@ impl Health {
         }
     }
 
-    /// Whether a request started after `started` delivered, or the sink delivered since one
-    /// of these events last failed.
+    /// Whether a request started after `started` delivered, or the sink delivered since each
+    /// of these events last failed: then their failing again is theirs. Not when one of them
+    /// fails for the first time: that may be the sink failing now, with the others caught in
+    /// it (an event throttled a minute ago, or refused once, is no proof about its batch-mates).
     fn shown_healthy(&self, started: Instant, ids: &[&str]) -> bool {
         let Some(success) = self.last_success_start else {
             return false;
         };
-        success > started
-            || ids
-                .iter()
-                .any(|id| self.suspects.get(*id).is_some_and(|&at| success > at))
+        let suspect_since = |id: &&str| self.suspects.get(*id).is_some_and(|&at| success > at);
+        success > started || (!ids.is_empty() && ids.iter().all(suspect_since))
     }
 
+    /// Remembers events the sink answered as about themselves (suspects): throttled or unsent
+    /// ones said nothing about themselves and are not.
     fn remember(&mut self, ids: &[&str], now: Instant) {
         if self.suspects.len() + ids.len() > SUSPECTS_MAX {
             self.suspects.clear(); // forgetting only delays a verdict: nothing is blamed wrongly
@@ -407,6 +413,44 @@ fn one_key_about_it(said: &[(&crate::sinks::Event, &Verdict)]) -> bool {
 /// A failure the sink answered as about the event (not "unsent", not decided before sending).
 fn about_the_event(v: &Verdict) -> bool {
     matches!(v, Verdict::Retry { .. } | Verdict::Reject { .. })
+}
+
+/// The ids of the batch's events whose failure the sink answered as about them.
+fn answered_about<'a>(batch: &'a Batch, verdicts: &[Verdict]) -> Vec<&'a str> {
+    (batch.events.iter().zip(verdicts))
+        .filter(|(_, v)| about_the_event(v))
+        .map(|(e, _)| e.id.as_str())
+        .collect()
+}
+
+/// A batch that delivered some events: failures after the last of them in batch order (its
+/// requests go out in that order), of two keys or more, are not counted (unsent): nothing
+/// shows the sink took anything after them, and a receiver that starts refusing everything in
+/// the middle of a batch (a deploy answering 400 or 500, a body limit lowered) looks just so.
+/// A poisoned key fails alone; events of two keys failing in a row at the end of a batch are
+/// tried again, as parked heads at the front of a later batch, where a success behind them
+/// shows whose fault it is.
+fn unproven_tail_unsent(batch: &Batch, verdicts: Vec<Verdict>) -> Vec<Verdict> {
+    let Some(last) = verdicts.iter().rposition(|v| *v == Verdict::Delivered) else {
+        return verdicts;
+    };
+    let tail = (batch.events.iter().zip(&verdicts)).skip(last + 1);
+    let mut keys = tail
+        .filter(|(_, v)| about_the_event(v))
+        .map(|(e, _)| e.aggregate_id.as_str());
+    let first = keys.next();
+    if !keys.any(|k| Some(k) != first) {
+        return verdicts; // one key at most: a poisoned key is the key's
+    }
+    let not_sent = |(i, v): (usize, Verdict)| match v {
+        Verdict::Retry { error, retry_after } if i > last => Verdict::Unsent { error, retry_after },
+        Verdict::Reject { error } if i > last => Verdict::Unsent {
+            error,
+            retry_after: None,
+        },
+        other => other,
+    };
+    verdicts.into_iter().enumerate().map(not_sent).collect()
 }
 
 /// The verdicts with every failure turned into "not sent": nothing is counted.
@@ -727,6 +771,116 @@ mod tests {
             h.claims(Instant::now(), 0),
             Claims::None,
             "slowed by Retry-After"
+        );
+    }
+
+    fn refused(n: usize) -> Outcome {
+        Outcome::all(
+            n,
+            Verdict::Reject {
+                error: "HTTP 400".into(),
+            },
+        )
+    }
+
+    fn keyed_batch(shard: i32, keys: &[&str]) -> Batch {
+        let mut b = batch(shard, &[]);
+        b.events = (keys.iter().enumerate())
+            .map(|(i, k)| crate::sinks::Event {
+                id: format!("{k}-{i}"),
+                ..test_event(k)
+            })
+            .collect();
+        b
+    }
+
+    #[test]
+    fn an_event_throttled_before_proves_nothing_when_the_sink_fails_later() {
+        let mut h = Health::default();
+        let throttled = Verdict::Unsent {
+            error: "HTTP 429".into(),
+            retry_after: None,
+        };
+        let first = Outcome::Events(vec![Verdict::Delivered, throttled]);
+        h.judge(&batch(1, &["x", "e"]), first, Instant::now());
+        std::thread::sleep(Duration::from_millis(2));
+        h.judge(
+            &batch(2, &["y"]),
+            Outcome::all(1, Verdict::Delivered),
+            Instant::now(),
+        );
+        // the receiver falls over: e comes again beside f, and both are refused
+        let j = h.judge(&batch(3, &["e", "f"]), refused(2), Instant::now());
+        assert!(gave_back(&j), "neither is blamed: {j:?}");
+        // nor does an event refused once make its batch-mates' first failure theirs
+        let mut h = Health::default();
+        h.judge(
+            &batch(1, &["x", "p"]),
+            Outcome::Events(vec![
+                Verdict::Delivered,
+                refused(1).into_verdicts(1).remove(0),
+            ]),
+            Instant::now(),
+        );
+        std::thread::sleep(Duration::from_millis(2));
+        h.judge(
+            &batch(2, &["y"]),
+            Outcome::all(1, Verdict::Delivered),
+            Instant::now(),
+        );
+        let j = h.judge(&batch(3, &["p", "f"]), refused(2), Instant::now());
+        assert!(gave_back(&j), "f fails for the first time: {j:?}");
+        std::thread::sleep(Duration::from_millis(2));
+        h.judge(
+            &batch(4, &["z"]),
+            Outcome::all(1, Verdict::Delivered),
+            Instant::now(),
+        );
+        let j = h.judge(&batch(5, &["p"]), refused(1), Instant::now());
+        assert!(
+            matches!(j, Judgement::Settle(_)),
+            "p alone again, after a success since: p's: {j:?}"
+        );
+    }
+
+    #[test]
+    fn keys_refused_after_a_batchs_last_delivery_are_not_counted_one_key_is() {
+        let mut h = Health::default();
+        let kinds = |j: Judgement| match j {
+            Judgement::Settle(v) => v
+                .iter()
+                .map(|v| match v {
+                    Verdict::Delivered => "ok",
+                    Verdict::Reject { .. } => "reject",
+                    Verdict::Unsent { .. } => "unsent",
+                    Verdict::HeldBack => "held",
+                    _ => "other",
+                })
+                .collect::<Vec<_>>(),
+            j => panic!("{j:?}"),
+        };
+        let no = || refused(1).into_verdicts(1).remove(0);
+        let ok = || Verdict::Delivered;
+        // a deploy answering 400 to everything from the third request on
+        let b = keyed_batch(1, &["a", "b", "c", "d", "e"]);
+        let v = vec![ok(), ok(), no(), no(), no()];
+        assert_eq!(
+            kinds(h.judge(&b, Outcome::Events(v), Instant::now())),
+            ["ok", "ok", "unsent", "unsent", "unsent"]
+        );
+        // a poisoned key at the end, its later event held back: the key's
+        let b = keyed_batch(2, &["a", "b", "c", "c"]);
+        let v = vec![ok(), ok(), no(), Verdict::HeldBack];
+        assert_eq!(
+            kinds(h.judge(&b, Outcome::Events(v), Instant::now())),
+            ["ok", "ok", "reject", "held"]
+        );
+        // refusals with a success behind them are the events'
+        let b = keyed_batch(3, &["a", "b", "c", "d"]);
+        let v = vec![ok(), no(), no(), ok()];
+        assert_eq!(
+            kinds(h.judge(&b, Outcome::Events(v), Instant::now())),
+            ["ok", "reject", "reject", "ok"]
         );
     }
 }
