@@ -17,8 +17,8 @@ import time
 import psycopg
 import pytest
 
-from support.db import cpu_seconds, worker_pid
-from support.events import emit_keys
+from support.db import cpu_seconds, keys_in_shard, worker_pid
+from support.events import emit, emit_keys
 from support.peers import Receiver, certificates, check_delivery, wait_for
 
 SHORT_POLICY = {"max_attempts": 3, "backoff_base": "100 ms", "backoff_max": "500 ms"}
@@ -215,6 +215,41 @@ def test_a_receiver_that_refuses_our_credentials_on_some_requests_blames_no_even
         after = status(conn, sink)
         assert (after["dead_letters"], after["failed_total"] or 0) == (0, 0), after
         check_delivery(emitted, peer.receiver.accepted_events())
+    finally:
+        peer.receiver.close()
+
+
+def test_a_receiver_that_starts_refusing_everything_mid_batch_dead_letters_nothing(conn, new_sink):
+    """A deploy lands while a batch goes out one event per request: the first five requests are
+    delivered, then the new version answers 400 to everything for two seconds. The rest of the
+    batch is not the events' fault, though part of the batch went through: nothing is
+    dead-lettered or counted, and once the receiver is fixed every event arrives in order.
+    (They were dead-lettered: a partial success showed the sink healthy.)"""
+    requests = [0]
+    lock = threading.Lock()
+
+    def fault(_request):
+        with lock:
+            requests[0] += 1
+            return None if requests[0] <= 5 else (400, {}, b"unknown schema version")
+    peer = Misbehaving(fault)
+    try:
+        sink = new_sink("webhook", peer.receiver.url, format="single", batch_size=40, **SHORT_POLICY)
+        keys = keys_in_shard(conn, 9, 20)   # one shard, one transaction: one batch of 40
+        emitted = {}
+        with conn.transaction():
+            for k in keys:
+                emitted[k] = emit(conn, k, 2)
+        wait_for(lambda: status(conn, sink)["sink_state"] == "suspended", timeout=10)
+        time.sleep(2)
+        during = status(conn, sink)
+        assert (during["dead_letters"], during["failed_total"] or 0) == (0, 0), during
+        assert len(peer.receiver.accepted_events()) == 5
+        peer.healed.set()
+        wait_for(lambda: len(peer.receiver.accepted_events()) >= 40, timeout=40)
+        time.sleep(0.5)
+        check_delivery(emitted, peer.receiver.accepted_events())
+        assert status(conn, sink)["dead_letters"] == 0
     finally:
         peer.receiver.close()
 
