@@ -11,7 +11,8 @@
 -- In the worker's library: an event only throttled no longer counts as having failed when
 -- the sink's health is judged later; one event that failed before no longer makes its
 -- batch-mates' first failures theirs; failures after a batch's last delivery, of two keys or
--- more (a receiver that starts refusing everything mid-batch), are not counted. A receiver's
+-- more (a receiver that starts refusing everything mid-batch), are not counted; a 503 without
+-- Retry-After (an instance shutting down in a rolling deploy) is never counted. A receiver's
 -- Retry-After given as an HTTP date in RFC 850 or asctime form (the obsolete forms RFC 9110
 -- still has recipients accept) was ignored; all three forms are read now, with the httpdate
 -- crate. A Kafka REST v3 reply cut short mid-stream was not understood at all and every

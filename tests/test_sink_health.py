@@ -190,11 +190,14 @@ def test_steady_throttling_of_single_requests_dead_letters_nothing(conn, new_sin
         peer.receiver.close()
 
 
-def test_a_receiver_that_refuses_our_credentials_on_some_requests_blames_no_event(conn, new_sink):
+@pytest.mark.parametrize("answer", [(401, b"signature does not match"), (503, b"shutting down")],
+                         ids=["401 old secret", "503 mid-deploy"])
+def test_one_instance_of_the_receiver_failing_on_its_own_blames_no_event(conn, new_sink, answer):
     """One instance of a receiver's three still has the old signing secret (or an expired
-    token) after a rotation: it answers 401 to a third of the requests while the others
-    deliver. The sink is shown healthy, yet the 401s are its own: they count no attempt and
-    dead-letter nothing. (They were counted as retries, and dead-lettered after max_attempts.)"""
+    token) after a rotation, or is shutting down in a rolling deploy: it answers 401 (or 503,
+    no Retry-After) to a third of the requests while the others deliver. The sink is shown
+    healthy, yet these answers are its own: they count no attempt and dead-letter nothing.
+    (They were counted as retries, and dead-lettered after max_attempts.)"""
     requests, refused = [0], [0]
     lock = threading.Lock()
 
@@ -203,7 +206,7 @@ def test_a_receiver_that_refuses_our_credentials_on_some_requests_blames_no_even
             requests[0] += 1
             if requests[0] % 3 == 0:
                 refused[0] += 1
-                return 401, {}, b"signature does not match"
+                return answer[0], {}, answer[1]
         return None
     peer = Misbehaving(fault)
     try:

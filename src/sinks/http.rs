@@ -279,8 +279,10 @@ pub fn host_of(url: &str) -> &str {
 /// - a sink that is unavailable, refuses our credentials or moved (401, 403, 404, 407, 410,
 ///   502, 503, 504, a CDN's 520-530 for an origin it cannot reach, redirects), or our
 ///   connection or headers (421, 426, 431: the sink's settings): about the sink. Refused
-///   credentials (401, 407) and connection settings (421, 426) are never blamed on the events
-///   (a secret rotated on some of the receiver's instances); the others may be, on a sink
+///   credentials (401, 407), connection settings (421, 426) and "unavailable" (503: an
+///   instance shutting down in a rolling deploy, a load balancer with no instance ready) are
+///   never blamed on the events (a secret rotated on some of the receiver's instances, some
+///   instances mid-deploy while the others deliver); the others may be, on a sink
 ///   shown healthy (a 403 from a firewall that reads bodies, a 404 for an entity the event
 ///   names, a 431 for an event's trace headers, a 502 from a receiver that crashed on it);
 /// - 408, 409, 423, 425 (busy with the same event, locked, too early) and other 5xx may be
@@ -297,12 +299,12 @@ pub fn judge_failure(reply: &Reply, what: &str, n: usize) -> Outcome {
     match reply.status {
         429 => Outcome::all(n, Verdict::Unsent { error, retry_after }),
         503 if retry_after.is_some() => Outcome::all(n, Verdict::Unsent { error, retry_after }),
-        401 | 407 | 421 | 426 => Outcome::SinkDown {
+        401 | 407 | 421 | 426 | 503 => Outcome::SinkDown {
             error,
             retry_after,
             blameable: false,
         },
-        403 | 404 | 410 | 431 | 502..=504 | 520..=530 | 300..=399 => Outcome::SinkDown {
+        403 | 404 | 410 | 431 | 502 | 504 | 520..=530 | 300..=399 => Outcome::SinkDown {
             error,
             retry_after,
             blameable: true,
@@ -406,7 +408,7 @@ mod tests {
             retry_after: None,
             body: String::new(),
         };
-        for status in [403, 404, 410, 431, 503, 502, 504, 521, 530, 301] {
+        for status in [403, 404, 410, 431, 502, 504, 521, 530, 301] {
             assert!(matches!(
                 judge_failure(&reply(status), "x", 1),
                 Outcome::SinkDown {
@@ -415,8 +417,8 @@ mod tests {
                 }
             ));
         }
-        // never the events': our credentials or connection settings refused
-        for status in [401, 407, 421, 426] {
+        // never the events': our credentials or connection settings refused, or unavailable
+        for status in [401, 407, 421, 426, 503] {
             assert!(matches!(
                 judge_failure(&reply(status), "x", 1),
                 Outcome::SinkDown {
