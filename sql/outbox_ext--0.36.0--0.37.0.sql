@@ -6,7 +6,12 @@
 -- the batch delivered the batch's heads by id and took the queued copy for one: the event was
 -- neither queued nor dead any more, and the log was past it. Now a dead letter whose event is a
 -- head of a batch still out stays dead until that batch is settled or given back (replay says
--- so in a NOTICE).
+-- so in a NOTICE). A retry policy whose backoff_base doubled past an interval's range (a base
+-- of hours, 31 attempts) made every settle of the failure raise 22008, so the key was never
+-- counted on or dead-lettered and its shard's batch came again and again: the backoff is
+-- now doubled in seconds and capped before it becomes an interval. settle_and_claim, called
+-- first thing after a restore, raised 25001 ("must come before any write") for the rebase it
+-- had just made itself; it now checks that before the rebase.
 --
 -- In the worker's library: an event only throttled no longer counts as having failed when
 -- the sink's health is judged later; one event that failed before no longer makes its
@@ -75,5 +80,53 @@ BEGIN
         PERFORM outbox_internal._replan_when_grown('outbox._parked_events');
     END IF;
     RETURN n;
+END
+$$;
+
+-- (_backoff: doubled in seconds and capped, no interval out of range)
+CREATE OR REPLACE FUNCTION outbox_internal._backoff(c outbox.consumers, attempts int) RETURNS interval
+    LANGUAGE sql VOLATILE
+    RETURN make_interval(secs => least(extract(epoch FROM c.backoff_max),
+                                       extract(epoch FROM c.backoff_base) * power(2, least(attempts - 1, 30))))
+           * (0.5 + random() / 2);
+
+-- (settle_and_claim: its checks before a rebase that may write)
+CREATE OR REPLACE FUNCTION outbox_internal._settle_and_claim_body(
+    consumer   text,
+    shard      int,
+    epoch      bigint,
+    failures   jsonb,
+    batch_size int,
+    lease      interval,
+    owner      text,
+    shards     int
+) RETURNS SETOF outbox.claimed
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    c       outbox.consumers;
+    list    outbox_internal._failure[];
+    rebased boolean;
+    working int[];
+    b       record;
+BEGIN
+    PERFORM outbox_internal._not_null(failures IS NULL, 'failures', 'outbox.settle_and_claim');
+    list := outbox_internal._failures(failures);
+    -- before the rebase, which may write: the check is that the caller wrote nothing
+    PERFORM outbox_internal._check_claim(batch_size, lease, shards, 'outbox.settle_and_claim');
+    rebased := outbox_internal._rebase_if_restored();
+    c := outbox_internal._consumer(consumer);
+    IF NOT rebased THEN
+        b := outbox_internal._claim_bound();  -- before settling writes anything
+    END IF;
+    PERFORM outbox_internal._settle(c, outbox_internal._leased(c.id, shard, epoch), list);
+    IF NOT rebased THEN
+        working := outbox_internal._shards_with_work(c.id);
+        IF working IS NULL OR cardinality(working) > 0 THEN
+            RETURN QUERY SELECT * FROM outbox_internal._claim(c, batch_size, lease,
+                                                     coalesce(owner, 'backend ' || pg_backend_pid()),
+                                                     b.seq, b.x, working, shards);
+        END IF;
+    END IF;
 END
 $$;

@@ -113,9 +113,14 @@ $type$;
 CREATE OR REPLACE FUNCTION outbox_internal._replan_when_grown(rel regclass) RETURNS void
     LANGUAGE c VOLATILE STRICT AS 'MODULE_PATHNAME', 'outbox_replan_when_grown';
 
+-- The wait before a failed head's next attempt: backoff_base doubled per attempt, at most
+-- backoff_max, times a jitter of 0.5 to 1. Doubled in seconds and capped before it becomes an
+-- interval: an interval of a base of a few hours times 2^30 is out of range (22008), and a
+-- settle that raised so could never record the failure, nor dead-letter the event.
 CREATE OR REPLACE FUNCTION outbox_internal._backoff(c outbox.consumers, attempts int) RETURNS interval
     LANGUAGE sql VOLATILE
-    RETURN least(c.backoff_max, c.backoff_base * power(2, least(attempts - 1, 30)))
+    RETURN make_interval(secs => least(extract(epoch FROM c.backoff_max),
+                                       extract(epoch FROM c.backoff_base) * power(2, least(attempts - 1, 30))))
            * (0.5 + random() / 2);
 
 -- Parked keys failed, each at one event (failures: each key's first failed event of a batch,

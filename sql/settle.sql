@@ -445,15 +445,18 @@ CREATE OR REPLACE FUNCTION outbox_internal._settle_and_claim_body(
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    rebased boolean := outbox_internal._rebase_if_restored();  -- first: it may write
-    c       outbox.consumers := outbox_internal._consumer(consumer);
+    c       outbox.consumers;
     list    outbox_internal._failure[];
+    rebased boolean;
     working int[];
     b       record;
 BEGIN
     PERFORM outbox_internal._not_null(failures IS NULL, 'failures', 'outbox.settle_and_claim');
     list := outbox_internal._failures(failures);
+    -- before the rebase, which may write: the check is that the caller wrote nothing
     PERFORM outbox_internal._check_claim(batch_size, lease, shards, 'outbox.settle_and_claim');
+    rebased := outbox_internal._rebase_if_restored();
+    c := outbox_internal._consumer(consumer);
     IF NOT rebased THEN
         b := outbox_internal._claim_bound();  -- before settling writes anything
     END IF;

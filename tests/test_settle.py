@@ -5,6 +5,7 @@ outbox.status."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import time
@@ -362,6 +363,26 @@ def test_a_dead_head_replayed_before_its_batch_is_acked_is_not_acked_with_it(db,
     assert replayed + again == 1, "replayed once: while its batch was out, or after"
     assert [(e.aggregate_id, e.payload["i"]) for e in drain_after_backoff(db, relay)] == [(a, 0)]
     assert dead(db) == [] and parked(db) == {}
+
+
+def test_a_retry_policy_of_hours_doubling_thirty_times_still_records_failures(db):
+    """backoff_base doubles per attempt up to backoff_max: computed as an interval first, a
+    base of hours times 2^30 overflowed it (22008), so a settle of the failure raised on every
+    try; the key was never counted on, nor dead-lettered, and its shard's batch came again."""
+    db.execute("SELECT outbox.create_consumer('slow', max_attempts => 40, backoff_base => '6 hours', "
+               "backoff_max => '1 day')")
+    relay = Relay(db, "slow")
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    batch = relay.claim()
+    relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(batch[0], "HTTP 500")])
+    db.execute("UPDATE outbox._parked SET attempts = 39, next_attempt_at = now()")
+    heads = relay.claim()
+    assert heads[0].attempt == 40
+    relay.settle(heads[0].shard, heads[0].epoch, [relay.failure(heads[0], "HTTP 500")])
+    assert db.execute("SELECT count(*) FROM outbox.dead_letters").fetchone()[0] == 1
+    waits = db.execute("SELECT outbox_internal._backoff(c, a) FROM outbox.consumers c, "
+                       "generate_series(1, 40) a WHERE c.name = 'slow'").fetchall()
+    assert all(datetime.timedelta(hours=3) <= w <= datetime.timedelta(days=1) for (w,) in waits)
 
 
 def test_a_batch_given_back_after_a_nack_brings_the_keys_events_back_in_order(db, relay):
