@@ -11,7 +11,8 @@
 -- counted on or dead-lettered and its shard's batch came again and again: the backoff is
 -- now doubled in seconds and capped before it becomes an interval. settle_and_claim, called
 -- first thing after a restore, raised 25001 ("must come before any write") for the rebase it
--- had just made itself; it now checks that before the rebase.
+-- had just made itself; it now checks that before the rebase. drop_sink of a consumer that is
+-- no sink (a relay's) dropped it with its cursors and dead letters; it is refused now (42809).
 --
 -- In the worker's library: an event only throttled no longer counts as having failed when
 -- the sink's health is judged later; one event that failed before no longer makes its
@@ -128,5 +129,21 @@ BEGIN
                                                      b.seq, b.x, working, shards);
         END IF;
     END IF;
+END
+$$;
+
+-- (drop_sink: a consumer that is no sink is refused, not dropped)
+CREATE OR REPLACE FUNCTION outbox.drop_sink(name text) RETURNS boolean
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM outbox.sinks s WHERE s.name = drop_sink.name)
+       AND EXISTS (SELECT FROM outbox.consumers c WHERE c.name = drop_sink.name) THEN
+        RAISE EXCEPTION 'consumer "%" is not a sink', name
+            USING ERRCODE = 'wrong_object_type',
+                  HINT = 'It has no row in outbox.sinks: a relay reads it. To drop it with its '
+                         'cursors, parked keys and dead letters, use outbox.drop_consumer.';
+    END IF;
+    RETURN outbox.drop_consumer(name);
 END
 $$;

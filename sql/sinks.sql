@@ -254,9 +254,22 @@ COMMENT ON FUNCTION outbox.create_sink(text, text, text, text[], text[], text, i
     'outbox.create_sink(''stream'', ''kafka'', ''kafka://broker1:9092,broker2:9092'', '
     'compression => ''lz4'');';
 
+-- A consumer that is no sink (a relay's) is refused, not dropped: dropping it takes its
+-- cursors, parked keys and dead letters, which a name mistyped must not cost.
 CREATE OR REPLACE FUNCTION outbox.drop_sink(name text) RETURNS boolean
-    LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM outbox.sinks s WHERE s.name = drop_sink.name)
+       AND EXISTS (SELECT FROM outbox.consumers c WHERE c.name = drop_sink.name) THEN
+        RAISE EXCEPTION 'consumer "%" is not a sink', name
+            USING ERRCODE = 'wrong_object_type',
+                  HINT = 'It has no row in outbox.sinks: a relay reads it. To drop it with its '
+                         'cursors, parked keys and dead letters, use outbox.drop_consumer.';
+    END IF;
     RETURN outbox.drop_consumer(name);
+END
+$$;
 COMMENT ON FUNCTION outbox.drop_sink(text) IS
     'Drops a sink with its consumer, parked keys and dead letters; false if there was none. '
     'Example: SELECT outbox.drop_sink(''billing'');';

@@ -85,6 +85,11 @@ def test_defaults_and_drop(db):
     assert db.execute("SELECT count(*) FROM outbox.sinks").fetchone()[0] == 0
     assert db.execute("SELECT count(*) FROM outbox.consumers").fetchone()[0] == 0
     assert db.execute("SELECT outbox.drop_sink('hook')").fetchone()[0] is False
+    # a relay's consumer, no sink: refused, not dropped with its cursors and dead letters
+    db.execute("SELECT outbox.create_consumer('relay')")
+    with pytest.raises(psycopg.errors.WrongObjectType):
+        db.execute("SELECT outbox.drop_sink('relay')")
+    assert db.execute("SELECT count(*) FROM outbox.consumers").fetchone()[0] == 1
 
 
 def test_an_update_is_checked_too(db):
