@@ -21,7 +21,9 @@ COMMENT ON TABLE inbox.messages IS
 -- The smallest UUIDv7 of a moment, and the moment of a UUIDv7: partition bounds of the inbox.
 CREATE OR REPLACE FUNCTION inbox.uuid_at(ts timestamptz) RETURNS uuid
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    RETURN (lpad(to_hex(floor(extract(epoch FROM ts) * 1000)::bigint), 12, '0') || '70008000000000000000')::uuid;
+    -- held to the 48 bits of a UUIDv7's time: before 1970 the least UUIDv7, after 10889 the greatest
+    RETURN (lpad(to_hex(greatest(0, least(281474976710655, floor(extract(epoch FROM ts) * 1000)))::bigint), 12, '0')
+            || '70008000000000000000')::uuid;
 COMMENT ON FUNCTION inbox.uuid_at(timestamptz) IS 'The smallest UUIDv7 made at a moment.';
 CREATE OR REPLACE FUNCTION inbox.uuid_time(id uuid) RETURNS timestamptz
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
@@ -37,9 +39,10 @@ BEGIN
             USING ERRCODE = 'null_value_not_allowed',
                   HINT = 'Pass the event id you received and your consumer''s name.';
     END IF;
-    IF consumer = '' THEN
-        RAISE EXCEPTION 'consumer must not be empty'
-            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass your consumer''s name.';
+    IF consumer = '' OR length(consumer) > 128 THEN
+        RAISE EXCEPTION 'consumer must be 1 to 128 characters long'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass your consumer''s name (a longer one would not fit the dedup index).';
     END IF;
     INSERT INTO inbox.messages (message_id, consumer) VALUES (claim.message_id, claim.consumer)
     ON CONFLICT DO NOTHING;

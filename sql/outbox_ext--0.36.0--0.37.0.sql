@@ -13,6 +13,9 @@
 -- first thing after a restore, raised 25001 ("must come before any write") for the rebase it
 -- had just made itself; it now checks that before the rebase. drop_sink of a consumer that is
 -- no sink (a relay's) dropped it with its cursors and dead letters; it is refused now (42809).
+-- inbox.claim refuses a consumer name over 128 characters (22023; it failed on the dedup
+-- index's row size, 54000), and inbox.uuid_at holds any moment to a UUIDv7's 48 bits of time
+-- (before 1970 it gave the greatest UUIDv7, and infinity raised 0A000).
 --
 -- In the worker's library: an event only throttled no longer counts as having failed when
 -- the sink's health is judged later; one event that failed before no longer makes its
@@ -147,3 +150,31 @@ BEGIN
     RETURN outbox.drop_consumer(name);
 END
 $$;
+
+-- (inbox.claim: a consumer name of 1 to 128 characters)
+CREATE OR REPLACE FUNCTION inbox.claim(message_id uuid, consumer text) RETURNS boolean
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF message_id IS NULL OR consumer IS NULL THEN
+        RAISE EXCEPTION '% must not be NULL', CASE WHEN message_id IS NULL THEN 'message_id' ELSE 'consumer' END
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass the event id you received and your consumer''s name.';
+    END IF;
+    IF consumer = '' OR length(consumer) > 128 THEN
+        RAISE EXCEPTION 'consumer must be 1 to 128 characters long'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass your consumer''s name (a longer one would not fit the dedup index).';
+    END IF;
+    INSERT INTO inbox.messages (message_id, consumer) VALUES (claim.message_id, claim.consumer)
+    ON CONFLICT DO NOTHING;
+    RETURN FOUND;
+END
+$$;
+
+-- (uuid_at: any moment held to a UUIDv7's 48 bits of time)
+CREATE OR REPLACE FUNCTION inbox.uuid_at(ts timestamptz) RETURNS uuid
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    -- held to the 48 bits of a UUIDv7's time: before 1970 the least UUIDv7, after 10889 the greatest
+    RETURN (lpad(to_hex(greatest(0, least(281474976710655, floor(extract(epoch FROM ts) * 1000)))::bigint), 12, '0')
+            || '70008000000000000000')::uuid;

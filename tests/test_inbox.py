@@ -69,6 +69,18 @@ def test_bad_input(db):
     with pytest.raises(psycopg.errors.NullValueNotAllowed) as err:
         db.execute("SELECT inbox.claim(NULL, 'c')")
     assert err.value.diag.message_hint
+    # a consumer name too long for the dedup index: said so, not an index row size error
+    for consumer in ("", "".join(chr(0x4e00 + i) for i in range(3000))):
+        with pytest.raises(psycopg.errors.InvalidParameterValue) as err:
+            db.execute("SELECT inbox.claim(%s, %s)", (new_id(db), consumer))
+        assert "1 to 128" in str(err.value) and err.value.diag.message_hint
+
+
+def test_uuid_at_holds_any_moment_to_a_uuidv7s_48_bits_of_time(db):
+    rows = db.execute("SELECT inbox.uuid_at(t)::text FROM unnest(ARRAY['1960-01-01', '-infinity', "
+                      "'infinity', '1970-01-01 00:00:00.001+00']::timestamptz[]) t").fetchall()
+    assert [r[0] for r in rows] == ["00000000-0000-7000-8000-000000000000"] * 2 + [
+        "ffffffff-ffff-7000-8000-000000000000", "00000000-0001-7000-8000-000000000000"]
 
 
 def test_consumer_roles_can_claim(connect):
