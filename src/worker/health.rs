@@ -9,8 +9,9 @@
 //!   refusing everything mid-batch looks just so), or
 //! - a request of the sink that started after the failed one delivered something, or
 //! - the sink delivered something since each failed event last failed as about itself (its
-//!   earlier failure was remembered here; a throttled event is not, and one event failing for
-//!   the first time beside it shows nothing), or
+//!   earlier failure was remembered here; an event only throttled before, or one failing for
+//!   the first time beside it, shows nothing; a batch with nothing to count is settled
+//!   uncounted, not given back, when any of its events failed before with a success since), or
 //! - the failed request carried one key's events, the sink answered it as about those events
 //!   (a retry or a refusal: src/sinks/http.rs judge_failure), delivered other events within
 //!   the last 30 s, and no other key has been answered so since: a poisoned key on a sink
@@ -123,9 +124,10 @@ pub struct Health {
     /// Keys the sink answered as about their events since the last success, blamed or not
     /// (two at most: enough to say "not one key").
     failing_keys: Vec<String>,
-    /// Events that failed, and when: the sink delivering anything since shows the next
-    /// failure of the same event to be the event's.
-    suspects: HashMap<String, Instant>,
+    /// Events that failed, when, and whether the sink answered as about the event (not only
+    /// throttled or unsent): the sink delivering anything since shows the next failure of the
+    /// same event, answered so again, to be the event's.
+    suspects: HashMap<String, (Instant, bool)>,
     /// The probe out: (shard, epoch).
     probe: Option<(i32, i64)>,
     /// The probe holds one key's events and the sink had nothing else to claim.
@@ -225,7 +227,7 @@ impl Health {
                 .filter(|(_, v)| is_down(v))
                 .map(|(e, _)| e.id.as_str())
                 .collect();
-            let healthy = self.shown_healthy(started, &carried);
+            let healthy = self.shown_healthy(started, &carried, &carried);
             // remembered with them: the batch's events the sink answered about before it was
             // found down (a webhook's single events, earlier Kafka REST rounds)
             let answered: Vec<&crate::sinks::Event> = (batch.events.iter().zip(&verdicts))
@@ -233,7 +235,7 @@ impl Health {
                 .map(|(e, _)| e)
                 .collect();
             let answered_ids: Vec<&str> = answered.iter().map(|e| e.id.as_str()).collect();
-            self.remember(&answered_ids, now);
+            self.remember(answered_ids.iter().map(|id| (*id, true)), now);
             if healthy {
                 return Judgement::Settle(verdicts.into_iter().map(blamed).collect());
             }
@@ -243,7 +245,7 @@ impl Health {
         if verdicts.contains(&Verdict::Delivered) {
             let verdicts = unproven_tail_unsent(batch, verdicts);
             self.delivered(started, now);
-            self.remember(&answered_about(batch, &verdicts), now);
+            self.remember(failures(batch, &verdicts), now);
             if let Some(retry_after) = verdicts.iter().find_map(unsent_retry_after) {
                 // throttled partway: what went through is acked, the rest waits uncounted
                 let pause = retry_after.map_or(SLOW_DOWN, clamp_retry_after);
@@ -255,6 +257,7 @@ impl Health {
         let said: Vec<(&crate::sinks::Event, &Verdict)> = (batch.events.iter().zip(&verdicts))
             .filter(|(_, v)| v.is_failure() && **v != Verdict::HeldBack)
             .collect();
+        let failed: Vec<&str> = said.iter().map(|(e, _)| e.id.as_str()).collect();
         let about = answered_about(batch, &verdicts);
         let Some((error, retry_after)) = said.iter().find_map(|(_, v)| failure(v)) else {
             return Judgement::Settle(verdicts); // nothing failed (all skipped by routing)
@@ -262,9 +265,10 @@ impl Health {
         let certain = said
             .iter()
             .all(|(_, v)| matches!(v, Verdict::Invalid { .. }));
-        let healthy =
-            certain || self.shown_healthy(started, &about) || self.lone_key_failing(&said, now);
-        self.remember(&about, now);
+        let healthy = certain
+            || self.shown_healthy(started, &failed, &about)
+            || self.lone_key_failing(&said, now);
+        self.remember(failures(batch, &verdicts), now);
         // blamed or not, a key the sink answered as about its events is remembered until the
         // next success: a second key failing alone then is not "a poisoned key" but a sink
         // failing every request
@@ -307,26 +311,36 @@ impl Health {
         }
     }
 
-    /// Whether a request started after `started` delivered, or the sink delivered since each
-    /// of these events last failed: then their failing again is theirs. Not when one of them
-    /// fails for the first time: that may be the sink failing now, with the others caught in
-    /// it (an event throttled a minute ago, or refused once, is no proof about its batch-mates).
-    fn shown_healthy(&self, started: Instant, ids: &[&str]) -> bool {
+    /// Whether a request started after `started` delivered, or the sink delivered since the
+    /// batch's failed events last failed. A failure to be counted (`about`: answered as about
+    /// its event) is the event's only if every such failure of the batch is of an event the
+    /// sink answered so before, with a success since: one failing for the first time may be
+    /// the sink failing now, with the others caught in it, and an event only throttled before
+    /// proves nothing. With nothing to count (all unsent), any event of the batch failed before
+    /// with a success since keeps the sink from being suspended, as the waiting is the same.
+    fn shown_healthy(&self, started: Instant, failed: &[&str], about: &[&str]) -> bool {
         let Some(success) = self.last_success_start else {
             return false;
         };
-        let suspect_since = |id: &&str| self.suspects.get(*id).is_some_and(|&at| success > at);
-        success > started || (!ids.is_empty() && ids.iter().all(suspect_since))
+        let since = |id: &&str, about_only: bool| {
+            (self.suspects.get(*id)).is_some_and(|&(at, was)| success > at && (was || !about_only))
+        };
+        success > started
+            || if about.is_empty() {
+                failed.iter().any(|id| since(id, false))
+            } else {
+                about.iter().all(|id| since(id, true))
+            }
     }
 
-    /// Remembers events the sink answered as about themselves (suspects): throttled or unsent
-    /// ones said nothing about themselves and are not.
-    fn remember(&mut self, ids: &[&str], now: Instant) {
-        if self.suspects.len() + ids.len() > SUSPECTS_MAX {
+    /// Remembers failed events (suspects), each with whether the sink answered as about it.
+    fn remember<'a>(&mut self, failed: impl Iterator<Item = (&'a str, bool)>, now: Instant) {
+        let failed: Vec<(&str, bool)> = failed.collect();
+        if self.suspects.len() + failed.len() > SUSPECTS_MAX {
             self.suspects.clear(); // forgetting only delays a verdict: nothing is blamed wrongly
         }
-        for id in ids {
-            self.suspects.insert((*id).to_owned(), now);
+        for (id, about) in failed {
+            self.suspects.insert(id.to_owned(), (now, about));
         }
     }
 
@@ -413,6 +427,17 @@ fn one_key_about_it(said: &[(&crate::sinks::Event, &Verdict)]) -> bool {
 /// A failure the sink answered as about the event (not "unsent", not decided before sending).
 fn about_the_event(v: &Verdict) -> bool {
     matches!(v, Verdict::Retry { .. } | Verdict::Reject { .. })
+}
+
+/// The batch's failed events (a held-back one says nothing), each with whether the sink
+/// answered as about it.
+fn failures<'a>(
+    batch: &'a Batch,
+    verdicts: &'a [Verdict],
+) -> impl Iterator<Item = (&'a str, bool)> {
+    (batch.events.iter().zip(verdicts))
+        .filter(|(_, v)| v.is_failure() && **v != Verdict::HeldBack)
+        .map(|(e, v)| (e.id.as_str(), about_the_event(v)))
 }
 
 /// The ids of the batch's events whose failure the sink answered as about them.
