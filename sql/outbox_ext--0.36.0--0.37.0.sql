@@ -15,7 +15,9 @@
 -- no sink (a relay's) dropped it with its cursors and dead letters; it is refused now (42809).
 -- inbox.claim refuses a consumer name over 128 characters (22023; it failed on the dedup
 -- index's row size, 54000), and inbox.uuid_at holds any moment to a UUIDv7's 48 bits of time
--- (before 1970 it gave the greatest UUIDv7, and infinity raised 0A000).
+-- (before 1970 it gave the greatest UUIDv7, and infinity raised 0A000). A sink refuses a
+-- setting its kind would ignore: cluster_id or topic_map on a webhook, a secret on a Kafka
+-- REST sink (it signed nothing; the proxy's credentials go in http_headers).
 --
 -- In the worker's library: an event only throttled no longer counts as having failed when
 -- the sink's health is judged later; one event that failed before no longer makes its
@@ -178,3 +180,54 @@ CREATE OR REPLACE FUNCTION inbox.uuid_at(ts timestamptz) RETURNS uuid
     -- held to the 48 bits of a UUIDv7's time: before 1970 the least UUIDv7, after 10889 the greatest
     RETURN (lpad(to_hex(greatest(0, least(281474976710655, floor(extract(epoch FROM ts) * 1000)))::bigint), 12, '0')
             || '70008000000000000000')::uuid;
+
+-- (create_sink: a setting the kind would ignore is refused)
+CREATE OR REPLACE FUNCTION outbox_internal._check_kafka_settings(s outbox.sinks) RETURNS void
+    LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT (s.linger >= '0' AND s.linger <= '1 minute') THEN
+        RAISE EXCEPTION 'linger % is out of range', s.linger USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'linger is 0 to 1 minute, e.g. ''5 ms''.';
+    END IF;
+    IF s.kind <> 'kafka' THEN
+        IF num_nonnulls(s.compression, s.sasl_mechanism, s.sasl_username) > 0 THEN
+            RAISE EXCEPTION 'compression, sasl_mechanism and sasl_username apply only to a kafka sink'
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = format('Leave them NULL for a %s sink.', s.kind);
+        END IF;
+        IF num_nonnulls(s.cluster_id, s.topic_map) > 0 AND s.kind = 'webhook' THEN
+            RAISE EXCEPTION 'cluster_id and topic_map apply only to the Kafka sinks'
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'A webhook sends every event it takes to its url: choose them with topics '
+                             'or aggregate_types, and leave cluster_id and topic_map NULL.';
+        END IF;
+        IF s.secret IS NOT NULL AND s.kind <> 'webhook' THEN
+            RAISE EXCEPTION 'secret does not apply to a % sink', s.kind
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'A Kafka REST proxy takes credentials in http_headers, e.g. '
+                             '{"Authorization": "Basic ..."}; secret is a webhook''s signing key '
+                             'or a kafka sink''s SASL password.';
+        END IF;
+        RETURN;
+    END IF;
+    IF num_nonnulls(s.http_headers, s.cluster_id) > 0 THEN
+        RAISE EXCEPTION 'http_headers and cluster_id do not apply to a kafka sink'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'A kafka sink speaks the Kafka protocol: leave them NULL (SASL takes credentials).';
+    END IF;
+    IF s.compression IS NOT NULL AND NOT s.compression = ANY ('{none,gzip,snappy,lz4,zstd}') THEN
+        RAISE EXCEPTION 'unknown compression "%"', s.compression USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'compression is none, gzip, snappy, lz4 or zstd.';
+    END IF;
+    IF s.sasl_mechanism IS NOT NULL AND NOT s.sasl_mechanism = ANY ('{PLAIN,SCRAM-SHA-256,SCRAM-SHA-512}') THEN
+        RAISE EXCEPTION 'unknown SASL mechanism "%"', s.sasl_mechanism USING ERRCODE = 'invalid_parameter_value',
+            HINT = 'sasl_mechanism is PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512.';
+    END IF;
+    IF (s.sasl_mechanism IS NULL) <> (s.sasl_username IS NULL) OR (s.sasl_mechanism IS NULL) <> (s.secret IS NULL) THEN
+        RAISE EXCEPTION 'a kafka sink takes sasl_mechanism, sasl_username and secret (the password) together'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass all three for SASL, or none for a broker without authentication.';
+    END IF;
+END
+$$;

@@ -153,7 +153,9 @@ BEGIN
 END
 $$;
 
--- The settings of the native Kafka producer, and those that apply only to it.
+-- The settings of the native Kafka producer, and those that apply only to some kinds: one the
+-- sink's kind would ignore is refused, not taken silently (a secret given to a Kafka REST sink
+-- would sign nothing).
 CREATE OR REPLACE FUNCTION outbox_internal._check_kafka_settings(s outbox.sinks) RETURNS void
     LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp
 AS $$
@@ -167,6 +169,19 @@ BEGIN
             RAISE EXCEPTION 'compression, sasl_mechanism and sasl_username apply only to a kafka sink'
                 USING ERRCODE = 'invalid_parameter_value',
                       HINT = format('Leave them NULL for a %s sink.', s.kind);
+        END IF;
+        IF num_nonnulls(s.cluster_id, s.topic_map) > 0 AND s.kind = 'webhook' THEN
+            RAISE EXCEPTION 'cluster_id and topic_map apply only to the Kafka sinks'
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'A webhook sends every event it takes to its url: choose them with topics '
+                             'or aggregate_types, and leave cluster_id and topic_map NULL.';
+        END IF;
+        IF s.secret IS NOT NULL AND s.kind <> 'webhook' THEN
+            RAISE EXCEPTION 'secret does not apply to a % sink', s.kind
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'A Kafka REST proxy takes credentials in http_headers, e.g. '
+                             '{"Authorization": "Basic ..."}; secret is a webhook''s signing key '
+                             'or a kafka sink''s SASL password.';
         END IF;
         RETURN;
     END IF;

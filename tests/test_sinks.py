@@ -41,6 +41,10 @@ def create(conn, **options):
     ({"kind": "kafka", "url": "kafka://a:9092", "secret": "p"}, "all three"),
     ({"kind": "kafka", "url": "kafka://a:9092", "http_headers": '{"X-A": "b"}'}, "leave them NULL"),
     ({"compression": "lz4"}, "NULL for a webhook sink"),
+    # settings the kind would ignore: refused, not taken silently
+    ({"cluster_id": "c1"}, "leave cluster_id and topic_map NULL"),
+    ({"topic_map": '{"orders": "kafka.orders"}'}, "topics or aggregate_types"),
+    ({"kind": "kafka_rest_v3", "cluster_id": "c1", "secret": "whsec_" + "A" * 32}, "http_headers"),
 ])
 def test_bad_sinks_are_refused_with_a_hint(db, bad, hint_has):
     with pytest.raises(psycopg.errors.InvalidParameterValue) as e:
