@@ -322,6 +322,11 @@ impl Health {
         let Some(success) = self.last_success_start else {
             return false;
         };
+        if matches!(self.state, State::Suspended(_)) {
+            // failing since: a success before the suspension shows nothing about now (a probe
+            // that takes a head failed before an outage must not count it)
+            return success > started;
+        }
         let since = |id: &&str, about_only: bool| {
             (self.suspects.get(*id)).is_some_and(|&(at, was)| success > at && (was || !about_only))
         };
@@ -907,5 +912,32 @@ mod tests {
             kinds(h.judge(&b, Outcome::Events(v), Instant::now())),
             ["ok", "reject", "reject", "ok"]
         );
+    }
+
+    #[test]
+    fn an_event_failed_before_an_outage_is_not_counted_by_a_probe_during_it() {
+        let mut h = Health::default();
+        let no = || refused(1).into_verdicts(1).remove(0);
+        // e fails as about itself beside a success, and the sink delivers again since
+        let first = Outcome::Events(vec![Verdict::Delivered, no()]);
+        h.judge(&batch(1, &["x", "e"]), first, Instant::now());
+        std::thread::sleep(Duration::from_millis(2));
+        h.judge(
+            &batch(2, &["y"]),
+            Outcome::all(1, Verdict::Delivered),
+            Instant::now(),
+        );
+        std::thread::sleep(Duration::from_millis(2));
+        // then the receiver goes down: suspended
+        assert!(gave_back(&h.judge(
+            &batch(3, &["f", "g"]),
+            failed(2),
+            Instant::now()
+        )));
+        // a probe takes e, due again, and it fails with the rest
+        let probe = batch(4, &["e"]);
+        h.probe_sent(&probe, false);
+        let j = h.judge(&probe, refused(1), Instant::now());
+        assert!(gave_back(&j), "not counted while the sink is down: {j:?}");
     }
 }
