@@ -237,7 +237,9 @@ def test_a_receiver_that_starts_refusing_everything_mid_batch_dead_letters_nothi
             return None if requests[0] <= 5 else (400, {}, b"unknown schema version")
     peer = Misbehaving(fault)
     try:
-        sink = new_sink("webhook", peer.receiver.url, format="single", batch_size=40, **SHORT_POLICY)
+        # a request that hangs (none should) holds its batch 2 s, not the default 30
+        sink = new_sink("webhook", peer.receiver.url, format="single", batch_size=40,
+                        request_timeout="2 s", **SHORT_POLICY)
         keys = keys_in_shard(conn, 9, 20)   # one shard, one transaction: one batch of 40
         emitted = {}
         with conn.transaction():
@@ -249,7 +251,11 @@ def test_a_receiver_that_starts_refusing_everything_mid_batch_dead_letters_nothi
         assert (during["dead_letters"], during["failed_total"] or 0) == (0, 0), during
         assert len(peer.receiver.accepted_events()) == 5
         peer.healed.set()
-        wait_for(lambda: len(peer.receiver.accepted_events()) >= 40, timeout=40)
+        try:
+            wait_for(lambda: len(peer.receiver.accepted_events()) >= 40, timeout=40)
+        except AssertionError:
+            arrived = len(peer.receiver.accepted_events())
+            raise AssertionError(f"{arrived} of 40 arrived in 40 s after the fix: {status(conn, sink)}")
         time.sleep(0.5)
         check_delivery(emitted, peer.receiver.accepted_events())
         assert status(conn, sink)["dead_letters"] == 0
