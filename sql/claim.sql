@@ -281,7 +281,7 @@ DECLARE
     tried  int[] := coalesce(shards, ARRAY(SELECT generate_series(0, outbox.shard_count() - 1)));
     n      int := cardinality(tried);
     start  int := CASE WHEN shards IS NULL THEN floor(random() * n)::int ELSE 0 END;
-    newest outbox._seals := outbox_internal._newest_seal();  -- read once: see _since
+    newest outbox._seals := outbox_internal._newest_seal();  -- for the probes: see _since
     until  timestamptz := outbox_internal._reach();  -- for the probes; a window reads it again
     free   record;
     cur    outbox._cursor_log;
@@ -305,8 +305,10 @@ BEGIN
             IF cur.hi_snap IS NULL THEN
                 cur := outbox_internal._open_window(cur, seq_mark, x);
             END IF;
-            since := outbox_internal._window_since(cur, newest);
-            until := outbox_internal._reach();  -- read after the window's snapshot: see _reach
+            -- both read after the window's snapshot: an event it sees committed has broken
+            -- the seals it lies behind (_break_seals), or recorded its reach (_reach)
+            since := outbox_internal._window_since(cur, outbox_internal._newest_seal());
+            until := outbox_internal._reach();
             got := outbox_internal._claim_page(cur, batch_size, owner, lease, since, until);
             EXIT WHEN got > 0;
             IF fresh THEN
@@ -413,7 +415,7 @@ BEGIN
             cur := outbox_internal._open_window(cur, seq_mark, x);
         END IF;
         since := outbox_internal._window_since(cur, outbox_internal._newest_seal());
-        until := outbox_internal._reach();  -- after the window's snapshot: see _reach
+        until := outbox_internal._reach();  -- both after the window's snapshot: see _claim
         page := ARRAY(SELECT w FROM outbox_internal._window_events(cur, NULL, batch_size, since, until) AS w);
         exhausted := cardinality(page) < batch_size;
         -- each event's key looked up among the shard's parked keys, read once into keys (a

@@ -97,9 +97,10 @@ CREATE TABLE IF NOT EXISTS outbox._marks (
 -- whose max_seq is at most that seq" (outbox_internal._since), which PostgreSQL uses to skip
 -- the older partitions before it opens them: a claim's cost does not grow with the partitions
 -- it has read past. maintain() seals only a partition boundary that no open transaction began
--- before, and a minute back from that: a clock stepped back by more could let an event land
--- behind a seal, unseen by claims (dropping a partition past retention assumes the same of
--- the clock). Insert-only; maintain() trims seals below the oldest partition. Not dumped, and
+-- before, and a minute back from that. A clock stepped back by more can still let an event
+-- land behind a seal: it then records a seal break (below). Insert-only; maintain() trims
+-- seals below the oldest partition, drops those above a break, and drops them all when the
+-- clock is behind the newest. Not dumped, and
 -- dropped when a dump is restored (sql/restore.sql): the restored events' seqs and times are
 -- the dump's; maintain() seals the restored log once it is rebased.
 CREATE TABLE IF NOT EXISTS outbox._seals (
@@ -107,6 +108,15 @@ CREATE TABLE IF NOT EXISTS outbox._seals (
     upper   timestamptz NOT NULL,
     made_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (max_seq, upper)
+);
+
+-- Seal breaks: the created_at of an event that landed behind a seal, recorded in its own
+-- transaction by the trigger outbox_seal (sql/partitions.sql). No seal above a break is
+-- trusted (_newest_seal) until maintain() drops both. Insert-only but for maintain(): a
+-- delete of the seals there would have made maintain() wait for the event's transaction.
+-- Empty but after a clock went back. Not dumped.
+CREATE TABLE IF NOT EXISTS outbox._seal_breaks (
+    at timestamptz NOT NULL
 );
 
 -- Reach: how far ahead of the clock events may lie. Every event has a created_at below the
@@ -360,7 +370,9 @@ AS $$
 DECLARE
     newest outbox._seals;
 BEGIN
-    SELECT * INTO newest FROM outbox._seals s ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1;
+    SELECT * INTO newest FROM outbox._seals s
+     WHERE s.upper <= coalesce((SELECT min(b.at) FROM outbox._seal_breaks b), 'infinity')
+     ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1;
     RETURN newest;
 END
 $$;
@@ -378,19 +390,22 @@ END
 $$;
 
 -- The earliest created_at an event with a greater seq can have ('-infinity' when no seal says),
--- given the newest seal (_newest_seal, read once by the caller). Seals are made a minute behind
--- the clock: a clock now behind that went back, and until maintain() has dropped the seals
--- (sql/partitions.sql) none is trusted. A seq at or past the newest seal's needs no lookup.
+-- given the newest seal (_newest_seal, read by the caller after the snapshot it reads events
+-- by: an event behind a seal broke it in its own transaction, _break_seals). Seals are made a
+-- minute behind the clock: a clock now behind that went back, and until maintain() has dropped
+-- the seals none is trusted; nor is one above the newest (a seal break lies below it). A seq at
+-- or past the newest seal's needs no lookup.
 CREATE OR REPLACE FUNCTION outbox_internal._since(seq bigint, newest outbox._seals) RETURNS timestamptz
     LANGUAGE plpgsql STABLE
 AS $$
 BEGIN
-    IF now() < newest.upper + interval '1 minute' THEN
+    IF newest.upper IS NULL OR now() < newest.upper + interval '1 minute' THEN
         RETURN '-infinity';
     ELSIF seq >= newest.max_seq THEN
         RETURN newest.upper;
     END IF;
-    RETURN coalesce((SELECT s.upper FROM outbox._seals s WHERE s.max_seq <= _since.seq
+    RETURN coalesce((SELECT s.upper FROM outbox._seals s
+                      WHERE s.max_seq <= _since.seq AND s.upper <= newest.upper  -- none above a break
                       ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1), '-infinity');
 END
 $$;

@@ -29,8 +29,8 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.partition_config', '');      
 SELECT pg_catalog.pg_extension_config_dump('outbox._origin', '');               -- restoring it marks a restore
 -- Not marked: outbox._marks (floors for transactions in progress, in the dumped cluster's
 -- transaction ids: meaningless after a restore, and claims make new ones).
--- Not marked: outbox._seals (what this cluster's maintain() saw of open transactions; the
--- restoring cluster's maintain() seals the restored log anew, claims read every partition
--- until then).
+-- Not marked: outbox._seals and outbox._seal_breaks (what this cluster's maintain() saw of
+-- open transactions; the restoring cluster's maintain() seals the restored log anew, claims
+-- read every partition until then).
 -- Not marked: outbox._reach (a restore starts without it: claims then read every partition
 -- ahead of now until maintain() records it again).

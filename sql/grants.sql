@@ -104,7 +104,7 @@ TO outbox_admin;
 GRANT SELECT ON outbox.events, outbox.consumers, outbox.sinks, outbox._sink_stats,
     outbox.dead_letters, outbox.partition_config, outbox.partitions, outbox.status,
     outbox.shard_status, outbox._shards, outbox._cursor_log, outbox._parked,
-    outbox._parked_events, outbox._marks, outbox._seals, outbox._reach, outbox._origin, inbox.messages
+    outbox._parked_events, outbox._marks, outbox._seals, outbox._seal_breaks, outbox._reach, outbox._origin, inbox.messages
 TO outbox_admin;
 GRANT INSERT, UPDATE, DELETE ON outbox.sinks TO outbox_admin;   -- checked by its trigger
 GRANT UPDATE (max_attempts, backoff_base, backoff_max) ON outbox.consumers TO outbox_admin;

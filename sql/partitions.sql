@@ -7,10 +7,11 @@
 -- Partitions are named <parent>_pYYYYMMDD_HH24MISS after their lower bound in UTC.
 --
 -- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
--- Name resolution (sql/grants.sql): maintain() and the trigger function _note_reach are
--- [pinned]; maintain()'s phases (_maint_*) run [inside] it; the helpers that run dynamic SQL
--- (_create_partition, _partition_pending, _revoke_all, _index_partition, _advance_reach) pin
--- search_path too, the others are [parsed]; the view is [parsed].
+-- Name resolution (sql/grants.sql): maintain() and the trigger functions _note_reach and
+-- _break_seals are [pinned]; maintain()'s phases (_maint_*) run [inside] it; the helpers that
+-- run dynamic SQL (_create_partition, _partition_pending, _revoke_all, _index_partition,
+-- _advance_reach, _arm_seals) pin search_path too, the others are [parsed]; the view is
+-- [parsed].
 --
 -- maintain() is a short driver over phases, one function each (lock, rebase, retire, move the
 -- default partitions' rows, create ahead, seal, trim): a change to one phase is one CREATE OR
@@ -296,19 +297,91 @@ BEGIN
 END
 $$;
 
+-- Seals (outbox._seals, sql/cursors.sql) hold only while no event lands behind one: one made
+-- by a transaction that began before a seal's upper but took its seq after the seal was made.
+-- That takes a clock stepped back past the seal (a minute or more: seals are made a minute
+-- behind it), and such an event lands in a partition whose time is over, or in the default
+-- partition. The trigger outbox_seal, defined on outbox.events (so on every partition, whoever
+-- makes or attaches it), is on there, ALWAYS (as outbox_reach), and off where emits write: when
+-- a seal lies above the event's created_at, it records a seal break there, in the event's own
+-- transaction, unless one at or below it is recorded. A claim that sees the event committed
+-- sees the break (it reads the seals after its window's snapshot: sql/claim.sql), so it trusts
+-- no seal above and reads the event's partition. Without it, once the clock was past the seal
+-- again and before maintain() noticed, claims skipped the event for good. A seal made while
+-- the event's transaction is open lies a minute below its start (_seal): none is missed.
+CREATE OR REPLACE FUNCTION outbox_internal._break_seals() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF EXISTS (SELECT FROM outbox._seals s WHERE s.upper > NEW.created_at)
+       AND NOT EXISTS (SELECT FROM outbox._seal_breaks b WHERE b.at <= NEW.created_at) THEN
+        INSERT INTO outbox._seal_breaks (at) VALUES (NEW.created_at);
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+-- Turn outbox_seal on (ALWAYS) where the time of an events partition is over (upper at most
+-- before) and on the default partition, and off on the parent (what partitions made later
+-- start with) and where its time is not over (upper after now: a data-only restore's ENABLE
+-- TRIGGER ALL turns it on there). The earliest lower bound of a partition whose time is over
+-- but whose trigger could not be turned on (an emit writes there: lock timeout, deadlock), or
+-- NULL: no seal may lie above it. A partition whose trigger could not be turned off keeps it
+-- until the next run; it costs its emits the native path (src/emit/insert.rs), nothing else.
+CREATE OR REPLACE FUNCTION outbox_internal._arm_seals(parts outbox.partitions[], before timestamptz)
+RETURNS timestamptz
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    p           record;
+    unarmed     timestamptz;
+    old_timeout text := current_setting('lock_timeout');
+BEGIN
+    PERFORM set_config('lock_timeout', '1s', true);
+    FOR p IN SELECT x.partition, x.lower, x.is_default OR x.upper <= before AS over
+               FROM unnest(parts) x JOIN pg_trigger t ON t.tgrelid = x.partition AND t.tgname = 'outbox_seal'
+              WHERE x.parent = 'outbox.events'::regclass
+                AND ((x.is_default OR x.upper <= before) AND t.tgenabled <> 'A'
+                     OR NOT x.is_default AND x.upper > now() AND t.tgenabled <> 'D')
+              ORDER BY x.lower NULLS FIRST LOOP
+        BEGIN
+            EXECUTE format('ALTER TABLE %s %s TRIGGER outbox_seal', p.partition,
+                           CASE WHEN p.over THEN 'ENABLE ALWAYS' ELSE 'DISABLE' END);
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            IF p.over THEN
+                unarmed := least(unarmed, coalesce(p.lower, '-infinity'));
+            END IF;
+        END;
+    END LOOP;
+    IF EXISTS (SELECT FROM pg_trigger t WHERE t.tgrelid = 'outbox.events'::regclass
+                  AND t.tgname = 'outbox_seal' AND t.tgenabled <> 'D') THEN
+        BEGIN
+            ALTER TABLE ONLY outbox.events DISABLE TRIGGER outbox_seal;
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            NULL;  -- next run: a partition made meanwhile is turned off by it
+        END;
+    END IF;
+    PERFORM set_config('lock_timeout', old_timeout, true);
+    RETURN unarmed;
+END
+$$;
+
 -- Seal the event log's past (outbox._seals, sql/cursors.sql) at the newest upper bound of an
 -- events partition that no open transaction, in any database, began before, a minute back:
 -- every transaction that began before it has ended or is prepared, so its events already have
 -- their seqs, all at most the sequence's value read after. Seals below the oldest partition
 -- skip nothing and go (the newest stays). No seal while a restored dump is not yet rebased,
 -- nor while a session does not report its transactions (track_activities off: its
--- xact_start is hidden).
+-- xact_start is hidden). Seals above a seal break go, with the breaks. The partitions whose
+-- time is over are armed first (_arm_seals): no seal lies above one whose trigger is off, so
+-- an event that lands behind a seal all the same (a clock gone back) breaks it.
 CREATE OR REPLACE FUNCTION outbox_internal._seal(parts outbox.partitions[]) RETURNS void
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    before timestamptz := least(now(), (SELECT min(a.xact_start) FROM pg_stat_activity a)) - interval '1 minute';
-    bound  timestamptz;
+    before  timestamptz := least(now(), (SELECT min(a.xact_start) FROM pg_stat_activity a)) - interval '1 minute';
+    bound   timestamptz;
+    unarmed timestamptz;
 BEGIN
     IF (SELECT o.restore_pending FROM outbox._origin o)
        OR EXISTS (SELECT FROM pg_stat_activity a WHERE a.state = 'disabled') THEN
@@ -321,8 +394,17 @@ BEGIN
             USING HINT = 'Claims read every partition until maintain() seals again, once the clock is past them.';
         RETURN;
     END IF;
+    -- the breaks it sees, and the seals above them, in one snapshot (a break committed later
+    -- lies above every seal made now)
+    WITH gone AS (DELETE FROM outbox._seal_breaks b RETURNING b.at)
+    DELETE FROM outbox._seals s WHERE s.upper > (SELECT min(g.at) FROM gone g);
+    unarmed := outbox_internal._arm_seals(parts, before);
+    IF unarmed IS NOT NULL THEN  -- an emit writes behind it: its trigger is off, so no seal above
+        DELETE FROM outbox._seals s WHERE s.upper > unarmed;
+    END IF;
     SELECT max(x.upper) INTO bound FROM unnest(parts) x
-     WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default AND x.upper <= before;
+     WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default AND x.upper <= before
+       AND x.upper <= coalesce(unarmed, 'infinity');
     IF bound > coalesce((SELECT max(s.upper) FROM outbox._seals s), '-infinity') THEN
         INSERT INTO outbox._seals (max_seq, upper)
         VALUES (coalesce(pg_sequence_last_value('outbox.event_seq'), 0), bound);
@@ -675,6 +757,10 @@ SELECT outbox_internal._index_partition('inbox.messages', 'inbox.messages_defaul
 CREATE OR REPLACE TRIGGER outbox_reach BEFORE INSERT ON outbox.events
     FOR EACH ROW EXECUTE FUNCTION outbox_internal._note_reach();
 ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER outbox_reach;
+CREATE OR REPLACE TRIGGER outbox_seal BEFORE INSERT ON outbox.events
+    FOR EACH ROW EXECUTE FUNCTION outbox_internal._break_seals();
+ALTER TABLE outbox.events DISABLE TRIGGER outbox_seal;  -- on by maintain() (_arm_seals)
+ALTER TABLE outbox.events_default ENABLE ALWAYS TRIGGER outbox_seal;
 
 -- Restoring a dump puts its partition_config rows over those CREATE EXTENSION made (a plain
 -- COPY would collide with them); see sql/dump.sql.

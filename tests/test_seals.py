@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
-from support.db import partitions_scanned
+from support.db import insert_event_at, partitions_scanned
 from support.peers import wait_for
 from support.relay import Relay
 
@@ -132,3 +132,61 @@ def test_a_restore_drops_the_seals_and_none_is_made_until_it_is_rebased(db, conn
     db.execute("SELECT * FROM outbox.maintain()")   # rebases, then seals
     assert db.execute("SELECT restore_pending FROM outbox._origin").fetchone()[0] is False
     assert db.execute(seals).fetchone()[0] == 1, "the rebased log is sealed again"
+
+
+def test_an_event_made_behind_a_seal_is_claimed_after_the_clock_has_caught_up(db):
+    """A clock stepped back past a sealed partition boundary: an event made then (created_at
+    behind the seal, seq above it) lands in a sealed partition. Claims that trust the seal,
+    once the clock is past it again (before maintain() has run), would skip the event for
+    good: it breaks the seals above it in its own transaction, so it is claimed."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    make_old_partitions(db)
+    relay = Relay(db, "c")
+    read_past_everything(db, relay)
+    behind = db.execute("SELECT extract(epoch FROM max(upper) - interval '5 minutes' - now())::text || ' s'"
+                        " FROM outbox._seals").fetchone()[0]
+    insert_event_at(db, "late", behind)   # as emit writes it, its transaction begun behind the seal
+    assert [e.aggregate_id for e in relay.drain()] == ["late"]
+    db.execute("SELECT * FROM outbox.maintain()")
+    assert db.execute("SELECT count(*) FROM outbox._seals s, outbox.events e WHERE e.aggregate_id = 'late'"
+                      " AND s.upper > e.created_at AND s.max_seq < e.seq").fetchone()[0] == 0, \
+        "maintain() drops the broken seals (and may seal again, above the event's seq)"
+    assert db.execute("SELECT count(*) FROM outbox._seal_breaks").fetchone()[0] == 0
+
+
+def test_an_event_behind_a_seal_in_an_open_transaction_does_not_hold_maintain_up(db, connect):
+    """What an event behind a seal records is seen by maintain() once it commits; until then
+    maintain() goes on without it (no lock of a seal is held by the event's transaction)."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    make_old_partitions(db)
+    relay = Relay(db, "c")
+    read_past_everything(db, relay)
+    behind = db.execute("SELECT extract(epoch FROM max(upper) - interval '5 minutes' - now())::text || ' s'"
+                        " FROM outbox._seals").fetchone()[0]
+    writer = connect(autocommit=False)
+    insert_event_at(writer, "late", behind)
+    db.execute("SET statement_timeout = '10s'")
+    db.execute("SELECT * FROM outbox.maintain()")
+    writer.commit()
+    assert [e.aggregate_id for e in relay.drain()] == ["late"]
+
+
+def test_maintain_arms_the_partitions_behind_the_clock_and_only_those(db):
+    """The trigger that breaks seals is on where events land only from a clock gone back (the
+    partitions whose time is over, and the default one) and off where emits write (there it
+    would cost every event its native path)."""
+    make_old_partitions(db)
+    db.execute("SELECT * FROM outbox.maintain()")
+    states = dict(db.execute("""
+        SELECT CASE WHEN p.is_default THEN 'default' WHEN p.upper <= now() THEN 'over' ELSE 'current or ahead' END,
+               string_agg(DISTINCT t.tgenabled::text, '')
+          FROM outbox.partitions p JOIN pg_trigger t ON t.tgrelid = p.partition AND t.tgname = 'outbox_seal'
+         WHERE p.parent = 'outbox.events'::regclass GROUP BY 1""").fetchall())
+    assert states == {"default": "A", "over": "A", "current or ahead": "D"}, states
+    # a data-only restore's ENABLE TRIGGER ALL turns it on everywhere: maintain() mends that
+    db.execute("ALTER TABLE outbox.events ENABLE TRIGGER outbox_seal")
+    db.execute("SELECT * FROM outbox.maintain()")
+    on_now = db.execute("""
+        SELECT count(*) FROM outbox.partitions p JOIN pg_trigger t ON t.tgrelid = p.partition AND t.tgname = 'outbox_seal'
+         WHERE p.parent = 'outbox.events'::regclass AND p.upper > now() AND t.tgenabled <> 'D'""").fetchone()[0]
+    assert on_now == 0

@@ -405,10 +405,10 @@ unsafe fn plain_insert_ok(rel: pg_sys::Relation) -> bool {
         && (constr.is_null() || ((*constr).num_check == 0 && !(*constr).has_generated_stored))
 }
 
-/// Whether `rel` has no trigger but the reach trigger (sql/partitions.sql), and that one
-/// fires no row here: it is off on this partition, or `rel` is the partitioned table, whose
-/// row triggers fire on its partitions only. A partition whose reach trigger is on (its time
-/// lies ahead) takes the SQL path, which fires it.
+/// Whether `rel` has no trigger but the reach and seal triggers (sql/partitions.sql), and they
+/// fire no row here: they are off on this partition, or `rel` is the partitioned table, whose
+/// row triggers fire on its partitions only. A partition where one is on (its time lies ahead,
+/// or is over: a clock ran ahead or went back) takes the SQL path, which fires it.
 // SAFETY: rel is open and locked; a non-NULL trigdesc has numtriggers triggers, each with
 // a NUL-terminated tgname.
 unsafe fn no_trigger_fires(rel: pg_sys::Relation) -> bool {
@@ -419,8 +419,10 @@ unsafe fn no_trigger_fires(rel: pg_sys::Relation) -> bool {
     let partitioned = (*(*rel).rd_rel).relkind as u8 == pg_sys::RELKIND_PARTITIONED_TABLE;
     (0..(*desc).numtriggers as usize).all(|i| {
         let trigger = &*(*desc).triggers.add(i);
-        CStr::from_ptr(trigger.tgname).to_bytes() == b"outbox_reach"
-            && (partitioned || trigger.tgenabled as u8 == b'D')
+        matches!(
+            CStr::from_ptr(trigger.tgname).to_bytes(),
+            b"outbox_reach" | b"outbox_seal"
+        ) && (partitioned || trigger.tgenabled as u8 == b'D')
     })
 }
 

@@ -1,0 +1,342 @@
+-- outbox_ext 0.37.0 -> 0.38.0
+--
+-- Why: an event made behind a seal of the event log was never delivered. A clock stepped back
+-- by more than a minute lets a transaction begin before a seal's upper bound and take its seq
+-- after the seal was made; its event lands in a partition whose time is over. Claims trusted
+-- the seal again once the clock was past it, and when that happened before maintain() had
+-- noticed the clock going back, they skipped that partition for good: outbox.status showed
+-- nothing pending. Now the trigger outbox_seal, on where events land only from such a clock
+-- (the partitions whose time is over, and the default one), records a seal break in the
+-- event's own transaction; no seal above a break is trusted, and a claim reads the seals after
+-- its window's snapshot, so that one that sees the event sees its break. maintain() drops the
+-- broken seals, turns the trigger on before it seals (the seals made before 0.38.0 are dropped
+-- here: the next run makes them again) and off where emits write.
+
+\echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.38.0'" to load this file. \quit
+
+-- (sql/cursors.sql)
+CREATE TABLE IF NOT EXISTS outbox._seal_breaks (
+    at timestamptz NOT NULL
+);
+REVOKE ALL ON outbox._seal_breaks FROM PUBLIC;
+GRANT SELECT ON outbox._seal_breaks TO outbox_admin;
+
+-- (sql/cursors.sql)
+CREATE OR REPLACE FUNCTION outbox_internal._newest_seal() RETURNS outbox._seals
+    LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    newest outbox._seals;
+BEGIN
+    SELECT * INTO newest FROM outbox._seals s
+     WHERE s.upper <= coalesce((SELECT min(b.at) FROM outbox._seal_breaks b), 'infinity')
+     ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1;
+    RETURN newest;
+END
+$$;
+
+-- (sql/cursors.sql: its comment)
+CREATE OR REPLACE FUNCTION outbox_internal._since(seq bigint, newest outbox._seals) RETURNS timestamptz
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    IF newest.upper IS NULL OR now() < newest.upper + interval '1 minute' THEN
+        RETURN '-infinity';
+    ELSIF seq >= newest.max_seq THEN
+        RETURN newest.upper;
+    END IF;
+    RETURN coalesce((SELECT s.upper FROM outbox._seals s
+                      WHERE s.max_seq <= _since.seq AND s.upper <= newest.upper  -- none above a break
+                      ORDER BY s.max_seq DESC, s.upper DESC LIMIT 1), '-infinity');
+END
+$$;
+
+-- (sql/partitions.sql)
+CREATE OR REPLACE FUNCTION outbox_internal._break_seals() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF EXISTS (SELECT FROM outbox._seals s WHERE s.upper > NEW.created_at)
+       AND NOT EXISTS (SELECT FROM outbox._seal_breaks b WHERE b.at <= NEW.created_at) THEN
+        INSERT INTO outbox._seal_breaks (at) VALUES (NEW.created_at);
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+-- (sql/partitions.sql)
+CREATE OR REPLACE FUNCTION outbox_internal._arm_seals(parts outbox.partitions[], before timestamptz)
+RETURNS timestamptz
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    p           record;
+    unarmed     timestamptz;
+    old_timeout text := current_setting('lock_timeout');
+BEGIN
+    PERFORM set_config('lock_timeout', '1s', true);
+    FOR p IN SELECT x.partition, x.lower, x.is_default OR x.upper <= before AS over
+               FROM unnest(parts) x JOIN pg_trigger t ON t.tgrelid = x.partition AND t.tgname = 'outbox_seal'
+              WHERE x.parent = 'outbox.events'::regclass
+                AND ((x.is_default OR x.upper <= before) AND t.tgenabled <> 'A'
+                     OR NOT x.is_default AND x.upper > now() AND t.tgenabled <> 'D')
+              ORDER BY x.lower NULLS FIRST LOOP
+        BEGIN
+            EXECUTE format('ALTER TABLE %s %s TRIGGER outbox_seal', p.partition,
+                           CASE WHEN p.over THEN 'ENABLE ALWAYS' ELSE 'DISABLE' END);
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            IF p.over THEN
+                unarmed := least(unarmed, coalesce(p.lower, '-infinity'));
+            END IF;
+        END;
+    END LOOP;
+    IF EXISTS (SELECT FROM pg_trigger t WHERE t.tgrelid = 'outbox.events'::regclass
+                  AND t.tgname = 'outbox_seal' AND t.tgenabled <> 'D') THEN
+        BEGIN
+            ALTER TABLE ONLY outbox.events DISABLE TRIGGER outbox_seal;
+        EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
+            NULL;  -- next run: a partition made meanwhile is turned off by it
+        END;
+    END IF;
+    PERFORM set_config('lock_timeout', old_timeout, true);
+    RETURN unarmed;
+END
+$$;
+
+-- (sql/partitions.sql)
+CREATE OR REPLACE FUNCTION outbox_internal._seal(parts outbox.partitions[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    before  timestamptz := least(now(), (SELECT min(a.xact_start) FROM pg_stat_activity a)) - interval '1 minute';
+    bound   timestamptz;
+    unarmed timestamptz;
+BEGIN
+    IF (SELECT o.restore_pending FROM outbox._origin o)
+       OR EXISTS (SELECT FROM pg_stat_activity a WHERE a.state = 'disabled') THEN
+        RETURN;
+    END IF;
+    IF clock_timestamp() < (SELECT max(s.upper) FROM outbox._seals s) + interval '1 minute' THEN
+        -- the clock went back: a transaction begun since may make events behind a seal
+        DELETE FROM outbox._seals;
+        RAISE WARNING 'outbox.maintain: the clock is behind the newest seal of the event log; dropped the seals'
+            USING HINT = 'Claims read every partition until maintain() seals again, once the clock is past them.';
+        RETURN;
+    END IF;
+    -- the breaks it sees, and the seals above them, in one snapshot (a break committed later
+    -- lies above every seal made now)
+    WITH gone AS (DELETE FROM outbox._seal_breaks b RETURNING b.at)
+    DELETE FROM outbox._seals s WHERE s.upper > (SELECT min(g.at) FROM gone g);
+    unarmed := outbox_internal._arm_seals(parts, before);
+    IF unarmed IS NOT NULL THEN  -- an emit writes behind it: its trigger is off, so no seal above
+        DELETE FROM outbox._seals s WHERE s.upper > unarmed;
+    END IF;
+    SELECT max(x.upper) INTO bound FROM unnest(parts) x
+     WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default AND x.upper <= before
+       AND x.upper <= coalesce(unarmed, 'infinity');
+    IF bound > coalesce((SELECT max(s.upper) FROM outbox._seals s), '-infinity') THEN
+        INSERT INTO outbox._seals (max_seq, upper)
+        VALUES (coalesce(pg_sequence_last_value('outbox.event_seq'), 0), bound);
+    END IF;
+    DELETE FROM outbox._seals s
+     WHERE s.upper < (SELECT max(t.upper) FROM outbox._seals t)
+       AND s.upper <= (SELECT min(x.lower) FROM unnest(parts) x
+                        WHERE x.parent = 'outbox.events'::regclass AND NOT x.is_default);
+END
+$$;
+
+-- (sql/claim.sql)
+CREATE OR REPLACE FUNCTION outbox_internal._claim(c outbox.consumers, batch_size int, lease interval,
+                                         owner text, seq_mark bigint, x xid8, shards int[], batches int)
+RETURNS SETOF outbox.claimed
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    tried  int[] := coalesce(shards, ARRAY(SELECT generate_series(0, outbox.shard_count() - 1)));
+    n      int := cardinality(tried);
+    start  int := CASE WHEN shards IS NULL THEN floor(random() * n)::int ELSE 0 END;
+    newest outbox._seals := outbox_internal._newest_seal();  -- for the probes: see _since
+    until  timestamptz := outbox_internal._reach();  -- for the probes; a window reads it again
+    free   record;
+    cur    outbox._cursor_log;
+    fresh  boolean;
+    stale  boolean;
+    since  timestamptz;
+    got    bigint;
+    taken  int := 0;
+BEGIN
+    FOR i IN 0 .. n - 1 LOOP
+        free := outbox_internal._free_cursor(c.id, tried[(start + i) % n + 1], newest, until);
+        CONTINUE WHEN free.cur IS NULL;
+        got := 0;
+        cur := free.cur;
+        stale := cur.hi_snap IS NOT NULL;  -- a window open, perhaps read to its end already
+        IF free.parked THEN
+            RETURN QUERY SELECT * FROM outbox_internal._claim_parked(c, cur, batch_size, lease, owner, seq_mark, x);
+            GET DIAGNOSTICS got = ROW_COUNT;
+        ELSE LOOP
+            fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
+            IF cur.hi_snap IS NULL THEN
+                cur := outbox_internal._open_window(cur, seq_mark, x);
+            END IF;
+            -- both read after the window's snapshot: an event it sees committed has broken
+            -- the seals it lies behind (_break_seals), or recorded its reach (_reach)
+            since := outbox_internal._window_since(cur, outbox_internal._newest_seal());
+            until := outbox_internal._reach();
+            got := outbox_internal._claim_page(cur, batch_size, owner, lease, since, until);
+            EXIT WHEN got > 0;
+            IF fresh THEN
+                PERFORM outbox_internal._record_empty(cur, stale, newest);
+                EXIT;
+            END IF;
+            cur := outbox_internal._next_window(cur);
+        END LOOP; END IF;
+        IF got > 0 THEN
+            taken := taken + 1;
+            EXIT WHEN taken >= batches;
+        END IF;
+    END LOOP;
+END
+$$;
+
+-- (sql/claim.sql: a comment)
+CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
+                                                batch_size int, lease interval, owner text,
+                                                seq_mark bigint, x xid8)
+RETURNS SETOF outbox.claimed
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    stale     boolean := cur.hi_snap IS NOT NULL;  -- as in _claim
+    keys      jsonb := (SELECT CASE WHEN count(*) <= batch_size  -- see below
+                                     THEN coalesce(jsonb_object_agg(t.k, true), '{}') END
+                          FROM (SELECT p.aggregate_id FROM outbox._parked p
+                                 WHERE p.consumer_id = c.id AND p.shard = cur.shard
+                                 LIMIT batch_size + 1) AS t(k));
+    fresh     boolean;
+    page      outbox.events[];
+    queued    outbox.events[];  -- the page's events of parked keys
+    mine      outbox.events[];  -- and the others (riding keys' among them)
+    heads     outbox.claimed[] := outbox_internal._due_heads(c, cur.shard, batch_size);
+    riding    jsonb := outbox_internal._riding(c, heads);
+    exhausted boolean;
+    all_due     boolean;  -- a page of parked keys' events only: are all their keys due,
+    catching_up boolean;  -- and all catching up?
+    held        boolean := false;  -- such a page left to read once their queues are out
+    share       int;  -- of batch_size, each key catching up gets (as _due_heads gives it)
+    since     timestamptz;
+    until     timestamptz;
+BEGIN
+    LOOP
+        fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
+        IF cur.hi_snap IS NULL THEN
+            cur := outbox_internal._open_window(cur, seq_mark, x);
+        END IF;
+        since := outbox_internal._window_since(cur, outbox_internal._newest_seal());
+        until := outbox_internal._reach();  -- both after the window's snapshot: see _claim
+        page := ARRAY(SELECT w FROM outbox_internal._window_events(cur, NULL, batch_size, since, until) AS w);
+        exhausted := cardinality(page) < batch_size;
+        -- each event's key looked up among the shard's parked keys, read once into keys (a
+        -- JSON object: its keys are sorted, ? searches them) when they are no more than a
+        -- page's events; else through _parked's key, once per event (a join planned from
+        -- statistics taken while nothing was parked compared every event with every parked
+        -- key). A lookup in _parked per event was half of a drain with 5% of its events
+        -- failing (#38): every failure leaves versions of _parked that such lookups walk.
+        SELECT coalesce(array_agg(k.e ORDER BY (k.e).seq) FILTER (WHERE k.parked), '{}'),
+               coalesce(array_agg(k.e ORDER BY (k.e).seq) FILTER (WHERE NOT k.parked), '{}')
+          INTO queued, mine
+          FROM (SELECT e, CASE WHEN keys IS NULL
+                               THEN EXISTS (SELECT FROM outbox._parked p
+                                             WHERE p.consumer_id = c.id AND p.aggregate_id = e.aggregate_id)
+                               ELSE keys ? e.aggregate_id END AND NOT riding ? e.aggregate_id AS parked
+                  FROM unnest(page) e
+                OFFSET 0) k;  -- parked worked out once per event, not once per FILTER
+        IF cardinality(mine) = 0 AND cardinality(page) > 0 THEN
+            -- only parked keys' events here: are all their keys due, at their first retry or
+            -- catching up; and are all catching up (due, their last head through) with a queue
+            -- that two claims' shares empty (so that keys behind the page wait two claims at
+            -- most), none of the page's events queued already (by a claim given back)?
+            share := greatest(1, batch_size / greatest(1, (
+                         SELECT count(*) FROM (SELECT FROM outbox._parked p
+                                                WHERE p.shard = cur.shard AND p.consumer_id = c.id
+                                                  AND p.next_attempt_at <= now() LIMIT batch_size) d)));
+            SELECT bool_and(p.next_attempt_at <= now() AND (p.attempts = 1 OR p.head_through)),
+                   bool_and(p.next_attempt_at <= now() AND p.head_through
+                            AND (SELECT count(*) FROM (SELECT FROM outbox._parked_events q
+                                                        WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
+                                                        LIMIT 2 * share + 1) n) BETWEEN 1 AND 2 * share
+                            AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                                             WHERE q.id = k.first_id AND q.consumer_id = c.id))
+              INTO all_due, catching_up
+              FROM (SELECT DISTINCT ON (q.aggregate_id) q.aggregate_id, q.id AS first_id
+                      FROM unnest(queued) q ORDER BY q.aggregate_id, q.seq) k
+             CROSS JOIN LATERAL (SELECT p.* FROM outbox._parked p
+                                  WHERE p.aggregate_id = k.aggregate_id AND p.consumer_id = c.id) p;
+            IF catching_up THEN
+                -- the page waits until their queues, handed out below, are empty and they flow
+                -- with the shard again: not copied into the queues and out again (#38: a hot key)
+                page := '{}';
+                exhausted := false;  -- the window is not read to its end: the page is still to read
+                held := true;
+                EXIT;
+            END IF;
+        END IF;
+        PERFORM outbox_internal._queue_parked(c.id, queued);
+        EXIT WHEN cardinality(mine) > 0;
+        IF cardinality(page) > 0 THEN
+            -- record that the shard moved past the page; go on to the next, unless its keys
+            -- are all due at their first retry or catching up: their heads make this batch,
+            -- and the shard moves past a page of them per claim, not all their events at once,
+            -- so that a key failing once keeps its backlog in the log (a key failing again, or
+            -- refused unjudged, is moved past at once; and not when the page ended the window,
+            -- which the batch's claim row must be in)
+            cur := outbox_internal._advance(cur, page[cardinality(page)].seq, exhausted);
+            PERFORM outbox_internal._append(cur);
+            EXIT WHEN all_due AND NOT exhausted;
+        ELSIF fresh THEN
+            EXIT;  -- nothing new since the last window
+        ELSE
+            cur := outbox_internal._next_window(cur);
+        END IF;
+    END LOOP;
+    IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
+        IF NOT held THEN  -- a page held is still to read: the window is not empty
+            PERFORM outbox_internal._record_empty(cur, stale, outbox_internal._newest_seal());
+        END IF;
+        RETURN;
+    END IF;
+    cur := outbox_internal._claimed(cur, owner, lease,
+                           CASE WHEN cardinality(page) > 0 THEN page[cardinality(page)].seq ELSE cur.after_seq END,
+                           exhausted, ARRAY(SELECT h.id FROM unnest(heads) h));
+    PERFORM outbox_internal._append(cur);
+    RETURN QUERY  -- heads first: a riding key's events of the page come after its queue
+    SELECT h.shard, cur.epoch, h.id, h.topic, h.aggregate_type, h.aggregate_id, h.event_type,
+           h.payload, h.headers, h.created_at, h.seq, h.attempt
+      FROM unnest(heads) AS h;
+    RETURN QUERY
+    SELECT cur.shard, cur.epoch, m.id, m.topic, m.aggregate_type, m.aggregate_id, m.event_type,
+           m.payload, m.headers, m.created_at, m.seq, 1
+      FROM unnest(mine) AS m ORDER BY m.seq;
+END
+$$;
+
+CREATE OR REPLACE TRIGGER outbox_seal BEFORE INSERT ON outbox.events
+    FOR EACH ROW EXECUTE FUNCTION outbox_internal._break_seals();
+ALTER TABLE ONLY outbox.events DISABLE TRIGGER outbox_seal;
+ALTER TABLE outbox.events_default ENABLE ALWAYS TRIGGER outbox_seal;
+-- off on the partitions made before (maintain() turns it on where their time is over), and
+-- no seal above a partition where it is off
+DO $seal$
+DECLARE
+    p regclass;
+BEGIN
+    FOR p IN SELECT r.partition FROM outbox_internal.partition_ranges r
+              WHERE r.parent = 'outbox.events'::regclass AND NOT r.is_default LOOP
+        EXECUTE format('ALTER TABLE %s DISABLE TRIGGER outbox_seal', p);
+    END LOOP;
+END
+$seal$;
+DELETE FROM outbox._seals;
+
+REVOKE ALL ON FUNCTION outbox_internal._break_seals() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox_internal._arm_seals(outbox.partitions[], timestamptz) FROM PUBLIC;
