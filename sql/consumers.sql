@@ -173,10 +173,12 @@ BEGIN
     -- Transactions in progress now get floor 0: their events may be older than anything; this
     -- transaction's own, lo_seq.
     -- From the beginning in a database restored from a dump: the dump's events first, in its
-    -- transaction ids (sql/restore.sql).
+    -- transaction ids (sql/restore.sql). Epochs from (id - 1) * 2^32 on: a consumer made again
+    -- under a dropped one's name does not take the same epochs, so a relay of the dropped one,
+    -- back late, cannot settle its batches (the first consumer's still begin at 0).
     INSERT INTO outbox._cursor_log (consumer_id, shard, epoch, lo_snap, lo_seq, lo_top, lo_txids,
                                     lo_floors, restored_seq, restored_top)
-    SELECT c_id, s, 0, b.snap, b.seq, b.top, b.txids,
+    SELECT c_id, s, (c_id - 1)::bigint << 32, b.snap, b.seq, b.top, b.txids,
            ARRAY(SELECT CASE WHEN t = x THEN lo_seq ELSE restored END FROM unnest(b.txids) AS t),
            o.restored_seq, o.restored_top
       FROM generate_series(0, outbox.shard_count() - 1) AS s

@@ -10,7 +10,10 @@
 -- event's own transaction; no seal above a break is trusted, and a claim reads the seals after
 -- its window's snapshot, so that one that sees the event sees its break. maintain() drops the
 -- broken seals, turns the trigger on before it seals (the seals made before 0.38.0 are dropped
--- here: the next run makes them again) and off where emits write.
+-- here: the next run makes them again) and off where emits write. A consumer made again under
+-- a dropped one's name took the same epochs from 0, so a relay of the dropped one, back late,
+-- could settle the new one's batch of a shard as its own (its events taken for delivered while
+-- the new relay was still sending them): each consumer's epochs now begin at (id - 1) * 2^32.
 
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.38.0'" to load this file. \quit
 
@@ -340,3 +343,75 @@ DELETE FROM outbox._seals;
 
 REVOKE ALL ON FUNCTION outbox_internal._break_seals() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox_internal._arm_seals(outbox.partitions[], timestamptz) FROM PUBLIC;
+
+-- (sql/consumers.sql)
+CREATE OR REPLACE FUNCTION outbox.create_consumer(
+    name          text,
+    from_beginning boolean  DEFAULT false,
+    max_attempts  int      DEFAULT 10,
+    backoff_base  interval DEFAULT '1 second',
+    backoff_max   interval DEFAULT '10 minutes'
+) RETURNS void
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    rebased boolean := outbox_internal._rebase_if_restored();  -- first: it may write
+    c_id   int;
+    -- The first bound, taken as claims take theirs (see the header); if this transaction has
+    -- written already, its xid may be older than the seq, so start the seq bound at 0.
+    -- (never below a restored dump's events: their txids are not this cluster's)
+    restored bigint := coalesce((SELECT o.restored_seq FROM outbox._origin o), 0);
+    lo_seq bigint := CASE WHEN pg_current_xact_id_if_assigned() IS NULL
+                          THEN coalesce(pg_sequence_last_value('outbox.event_seq'), 0) ELSE restored END;
+    x      xid8 := pg_current_xact_id();
+    lo     pg_snapshot := pg_current_snapshot();
+    lo_top xid8 := outbox_internal._top(lo, x);
+BEGIN
+    PERFORM outbox_internal._not_null(name IS NULL, 'name', 'outbox.create_consumer');
+    PERFORM outbox_internal._not_null(from_beginning IS NULL, 'from_beginning', 'outbox.create_consumer');
+    PERFORM outbox_internal._not_null(max_attempts IS NULL, 'max_attempts', 'outbox.create_consumer');
+    PERFORM outbox_internal._not_null(backoff_base IS NULL, 'backoff_base', 'outbox.create_consumer');
+    PERFORM outbox_internal._not_null(backoff_max IS NULL, 'backoff_max', 'outbox.create_consumer');
+    IF name = '' OR length(name) > 128 THEN
+        RAISE EXCEPTION 'consumer name must be 1 to 128 characters'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Name the consumer after its sink.';
+    END IF;
+    PERFORM outbox_internal._check_interval(backoff_base, 'backoff_base', '30 days', false);
+    PERFORM outbox_internal._check_interval(backoff_max, 'backoff_max', '30 days', false);
+    IF max_attempts < 1 OR backoff_max < backoff_base THEN
+        RAISE EXCEPTION 'invalid retry policy (max_attempts %, backoff % to %)',
+                max_attempts, backoff_base, backoff_max
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'max_attempts >= 1 and 0 < backoff_base <= backoff_max.';
+    END IF;
+    INSERT INTO outbox.consumers (name, max_attempts, backoff_base, backoff_max)
+    VALUES (create_consumer.name, create_consumer.max_attempts, create_consumer.backoff_base,
+            create_consumer.backoff_max)
+    ON CONFLICT ON CONSTRAINT consumers_name_key DO NOTHING
+    RETURNING id INTO c_id;
+    IF c_id IS NULL THEN
+        RAISE EXCEPTION 'consumer "%" already exists', name
+            USING ERRCODE = 'duplicate_object',
+                  HINT = 'Pick another name, or outbox.drop_consumer it first.';
+    END IF;
+    INSERT INTO outbox._shards SELECT c_id, s FROM generate_series(0, outbox.shard_count() - 1) s;
+    -- Transactions in progress now get floor 0: their events may be older than anything; this
+    -- transaction's own, lo_seq.
+    -- From the beginning in a database restored from a dump: the dump's events first, in its
+    -- transaction ids (sql/restore.sql). Epochs from (id - 1) * 2^32 on: a consumer made again
+    -- under a dropped one's name does not take the same epochs, so a relay of the dropped one,
+    -- back late, cannot settle its batches (the first consumer's still begin at 0).
+    INSERT INTO outbox._cursor_log (consumer_id, shard, epoch, lo_snap, lo_seq, lo_top, lo_txids,
+                                    lo_floors, restored_seq, restored_top)
+    SELECT c_id, s, (c_id - 1)::bigint << 32, b.snap, b.seq, b.top, b.txids,
+           ARRAY(SELECT CASE WHEN t = x THEN lo_seq ELSE restored END FROM unnest(b.txids) AS t),
+           o.restored_seq, o.restored_top
+      FROM generate_series(0, outbox.shard_count() - 1) AS s
+      LEFT JOIN outbox._origin o ON from_beginning,
+           (SELECT '1:1:'::pg_snapshot AS snap, 0::bigint AS seq, '1'::xid8 AS top, '{}'::xid8[] AS txids
+             WHERE from_beginning
+            UNION ALL
+            SELECT lo, lo_seq, lo_top, outbox_internal._in_progress(lo, x) WHERE NOT from_beginning) AS b;
+END
+$$;

@@ -127,6 +127,26 @@ def test_a_stale_or_settled_batch_is_refused(db, connect, relay):
     assert db.execute("SELECT count(*) FROM outbox._parked").fetchone()[0] == 0
 
 
+def test_a_batch_of_a_dropped_consumer_settles_nothing_of_its_namesakes(db, connect):
+    """A consumer dropped and made again under its name is another consumer. A relay of the old
+    one, back late, must not settle a batch of the new one that holds the same shard: its
+    epochs are its own (they began at 0 for every consumer, so its first batch of a shard had
+    the old one's first epoch), else the new batch was taken for delivered while its relay
+    was still sending it."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    old = Relay(connect(), "c", owner="old").claim()
+    db.execute("SELECT outbox.drop_consumer('c')")
+    db.execute("SELECT outbox.create_consumer('c')")
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    new_relay = Relay(connect(), "c", owner="new")
+    new = new_relay.claim()
+    assert new[0].shard == old[0].shard
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):
+        Relay(connect(), "c", owner="old").settle(old[0].shard, old[0].epoch)
+    assert new_relay.settle(new[0].shard, new[0].epoch) == 0
+
+
 @pytest.mark.parametrize("failures", [
     '{"id": "x"}',                                             # not an array
     '[{"error": "no id"}]',
