@@ -234,7 +234,9 @@ AS $$
 BEGIN
     cur.epoch := cur.epoch + 1;
     cur.owner := owner;
-    cur.lease_until := now() + lease;
+    -- from the call, not the transaction's start: a relay that polls in one transaction (a
+    -- driver out of autocommit) would take a lease run out already, and another relay the batch
+    cur.lease_until := statement_timestamp() + lease;
     cur.batch_end := batch_end;
     cur.exhausted := exhausted;
     cur.heads := heads;
@@ -482,7 +484,9 @@ BEGIN
         END IF;
     END LOOP;
     IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
-        IF NOT held THEN  -- a page held is still to read: the window is not empty
+        -- only a window found empty is recorded so: a page held is still to read, and one the
+        -- shard moved past is recorded already, with the rest of its window still to read
+        IF NOT held AND cardinality(page) = 0 THEN
             PERFORM outbox_internal._record_empty(cur, stale, outbox_internal._newest_seal());
         END IF;
         RETURN;
@@ -567,7 +571,7 @@ BEGIN
     cur := outbox_internal._leased(c.id, shard, epoch);
     PERFORM outbox_internal._unpark_released(c, cur);
     cur.owner := NULL;
-    cur.lease_until := CASE WHEN retry_after > '0' THEN now() + retry_after END;
+    cur.lease_until := CASE WHEN retry_after > '0' THEN statement_timestamp() + retry_after END;
     cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
     PERFORM outbox_internal._append(cur);
 END

@@ -14,6 +14,13 @@
 -- a dropped one's name took the same epochs from 0, so a relay of the dropped one, back late,
 -- could settle the new one's batch of a shard as its own (its events taken for delivered while
 -- the new relay was still sending them): each consumer's epochs now begin at (id - 1) * 2^32.
+-- A lease ran from the claim's transaction's start, so a relay polling in one transaction took
+-- a lease run out already and another relay the same batch: it runs from the call now. A dead
+-- letter replayed while its batch was out, then the batch given back, left its key parked with
+-- nothing queued, where it took a due key's place in claims, which then handed out nothing and
+-- moved the shard past the rest of its window: such a key is unparked (the page brings its
+-- event again), and a claim that moved past a page records no empty window. A session with
+-- session_replication_role = replica skipped the rebase of a restored dump before its emit.
 
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.38.0'" to load this file. \quit
 
@@ -303,7 +310,9 @@ BEGIN
         END IF;
     END LOOP;
     IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
-        IF NOT held THEN  -- a page held is still to read: the window is not empty
+        -- only a window found empty is recorded so: a page held is still to read, and one the
+        -- shard moved past is recorded already, with the rest of its window still to read
+        IF NOT held AND cardinality(page) = 0 THEN
             PERFORM outbox_internal._record_empty(cur, stale, outbox_internal._newest_seal());
         END IF;
         RETURN;
@@ -415,3 +424,120 @@ BEGIN
             SELECT lo, lo_seq, lo_top, outbox_internal._in_progress(lo, x) WHERE NOT from_beginning) AS b;
 END
 $$;
+
+-- (sql/claim.sql)
+CREATE OR REPLACE FUNCTION outbox_internal._claimed(cur outbox._cursor_log, owner text, lease interval,
+                                           batch_end bigint, exhausted boolean, heads uuid[])
+RETURNS outbox._cursor_log
+    LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    cur.epoch := cur.epoch + 1;
+    cur.owner := owner;
+    -- from the call, not the transaction's start: a relay that polls in one transaction (a
+    -- driver out of autocommit) would take a lease run out already, and another relay the batch
+    cur.lease_until := statement_timestamp() + lease;
+    cur.batch_end := batch_end;
+    cur.exhausted := exhausted;
+    cur.heads := heads;
+    RETURN cur;
+END
+$$;
+
+-- (sql/claim.sql)
+CREATE OR REPLACE FUNCTION outbox.release(consumer text, shard int, epoch bigint,
+                               retry_after interval DEFAULT '0') RETURNS void
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+    SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    c   outbox.consumers := outbox_internal._consumer(consumer);
+    cur outbox._cursor_log;
+BEGIN
+    PERFORM outbox_internal._not_null(retry_after IS NULL, 'retry_after', 'outbox.release');
+    PERFORM outbox_internal._check_interval(retry_after, 'retry_after', '30 days', true);
+    cur := outbox_internal._leased(c.id, shard, epoch);
+    PERFORM outbox_internal._unpark_released(c, cur);
+    cur.owner := NULL;
+    cur.lease_until := CASE WHEN retry_after > '0' THEN statement_timestamp() + retry_after END;
+    cur.batch_end := NULL; cur.exhausted := NULL; cur.heads := NULL;
+    PERFORM outbox_internal._append(cur);
+END
+$$;
+
+-- (sql/parking.sql)
+CREATE OR REPLACE FUNCTION outbox_internal._unpark_released(c outbox.consumers, cur outbox._cursor_log) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    page    outbox.events[];  -- the batch's page: what its claim may have copied into queues
+    ids     uuid[];           -- and their ids
+    emptied text[];           -- keys whose queues lost events of the page
+BEGIN
+    IF NOT EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = c.id AND p.shard = cur.shard)
+       AND NOT EXISTS (SELECT FROM outbox.dead_letters d WHERE d.consumer = c.name) THEN
+        RETURN;  -- nothing to undo (the common case: the page is not read again)
+    END IF;
+    page := outbox_internal._batch(cur);
+    ids := ARRAY(SELECT e.id FROM unnest(page) e);
+    UPDATE outbox._parked p
+       SET attempts = 0, next_attempt_at = now(), nacked_epoch = NULL, nacked_pos = NULL
+     WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch
+       AND EXISTS (SELECT FROM outbox._parked_events q
+                    WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
+                      AND q.pos = p.nacked_pos AND q.id = ANY (ids)
+                   OFFSET 0);  -- a lookup by the key's queue position, not a semi-join
+    WITH unparked AS (
+        DELETE FROM outbox._parked p
+         WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch
+           AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                            WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id
+                              AND (q.id = ANY (cur.heads) OR q.id <> ALL (ids)))
+        RETURNING p.aggregate_id)
+    DELETE FROM outbox._parked_events q
+     USING unparked u
+     WHERE q.consumer_id = c.id AND q.aggregate_id = u.aggregate_id;
+    WITH gone AS (DELETE FROM outbox._parked_events q
+                   WHERE q.consumer_id = c.id AND q.id = ANY (ids) RETURNING q.aggregate_id)
+    SELECT array_agg(DISTINCT g.aggregate_id) INTO emptied FROM gone g;
+    -- a key whose whole queue was of the page (a replay queued its dead letter while the batch
+    -- was out) flows with the page again: parked with nothing queued, it would take a due
+    -- head's place in claims and hand out nothing
+    PERFORM outbox_internal._unpark_emptied(c.id, coalesce(emptied, '{}'));
+    DELETE FROM outbox.dead_letters d
+     USING unnest(page) e
+     WHERE d.consumer = c.name AND d.aggregate_id = e.aggregate_id AND d.event_id = e.id;
+END
+$$;
+
+-- (sql/restore.sql)
+CREATE OR REPLACE FUNCTION outbox_internal._restored() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM outbox._origin) THEN
+        RETURN NEW;  -- CREATE EXTENSION's own row
+    END IF;
+    DELETE FROM outbox._seals;  -- made before the dump's events arrived: not about them
+    -- no bound until maintain() has seen the dump's events (outbox._reach)
+    INSERT INTO outbox._reach (upper) VALUES ('infinity');
+    UPDATE outbox._origin
+       SET restore_pending = true, restored_at = now(), restorer = pg_backend_pid(),
+           restorer_since = (SELECT a.backend_start FROM pg_stat_activity a WHERE a.pid = pg_backend_pid());
+    CREATE OR REPLACE TRIGGER rebase_before_emit BEFORE INSERT ON outbox.events
+        FOR EACH STATEMENT EXECUTE FUNCTION outbox_internal._rebase_before_emit();
+    -- a session with session_replication_role = replica emits too (and takes seqs)
+    ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER rebase_before_emit;
+    RETURN NULL;
+END
+$$;
+
+-- a restored dump waiting for its rebase: its trigger fires in replica mode too
+DO $rebase$
+BEGIN
+    IF EXISTS (SELECT FROM pg_catalog.pg_trigger t WHERE t.tgname = 'rebase_before_emit'
+                  AND t.tgrelid = 'outbox.events'::regclass) THEN
+        ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER rebase_before_emit;
+    END IF;
+END
+$rebase$;

@@ -234,8 +234,9 @@ CREATE OR REPLACE FUNCTION outbox_internal._unpark_released(c outbox.consumers, 
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    page outbox.events[];  -- the batch's page: what its claim may have copied into queues
-    ids  uuid[];           -- and their ids
+    page    outbox.events[];  -- the batch's page: what its claim may have copied into queues
+    ids     uuid[];           -- and their ids
+    emptied text[];           -- keys whose queues lost events of the page
 BEGIN
     IF NOT EXISTS (SELECT FROM outbox._parked p WHERE p.consumer_id = c.id AND p.shard = cur.shard)
        AND NOT EXISTS (SELECT FROM outbox.dead_letters d WHERE d.consumer = c.name) THEN
@@ -260,8 +261,13 @@ BEGIN
     DELETE FROM outbox._parked_events q
      USING unparked u
      WHERE q.consumer_id = c.id AND q.aggregate_id = u.aggregate_id;
-    DELETE FROM outbox._parked_events q
-     WHERE q.consumer_id = c.id AND q.id = ANY (ids);
+    WITH gone AS (DELETE FROM outbox._parked_events q
+                   WHERE q.consumer_id = c.id AND q.id = ANY (ids) RETURNING q.aggregate_id)
+    SELECT array_agg(DISTINCT g.aggregate_id) INTO emptied FROM gone g;
+    -- a key whose whole queue was of the page (a replay queued its dead letter while the batch
+    -- was out) flows with the page again: parked with nothing queued, it would take a due
+    -- head's place in claims and hand out nothing
+    PERFORM outbox_internal._unpark_emptied(c.id, coalesce(emptied, '{}'));
     DELETE FROM outbox.dead_letters d
      USING unnest(page) e
      WHERE d.consumer = c.name AND d.aggregate_id = e.aggregate_id AND d.event_id = e.id;

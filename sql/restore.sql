@@ -64,6 +64,8 @@ BEGIN
            restorer_since = (SELECT a.backend_start FROM pg_stat_activity a WHERE a.pid = pg_backend_pid());
     CREATE OR REPLACE TRIGGER rebase_before_emit BEFORE INSERT ON outbox.events
         FOR EACH STATEMENT EXECUTE FUNCTION outbox_internal._rebase_before_emit();
+    -- a session with session_replication_role = replica emits too (and takes seqs)
+    ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER rebase_before_emit;
     RETURN NULL;
 END
 $$;

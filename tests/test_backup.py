@@ -160,6 +160,9 @@ def test_dump_and_restore_bring_everything_back_and_delivery_resumes(cluster, ne
     assert "ERROR" not in stderr, stderr
     with cluster.connect(target) as conn:
         assert contents(conn) == before
+        assert conn.execute("SELECT tgenabled::text FROM pg_trigger WHERE tgname = 'rebase_before_emit'"
+                            " AND tgrelid = 'outbox.events'::regclass").fetchone()[0] == "A", \
+            "the rebase comes first for an emit of a session in replica mode too"
         assert conn.execute("SELECT count(*) FROM outbox.partitions WHERE NOT is_default").fetchone()[0] >= 4
         # events emitted after the restore (before any claim) come after the dump's, per key
         after = emit_keys(conn, keys=45, per_key=2, prefix="k")

@@ -127,6 +127,42 @@ def test_a_stale_or_settled_batch_is_refused(db, connect, relay):
     assert db.execute("SELECT count(*) FROM outbox._parked").fetchone()[0] == 0
 
 
+def test_a_lease_runs_from_the_claim_not_from_its_transactions_start(db, connect):
+    """A relay that polls in one transaction (a driver out of autocommit) and finds work a
+    while after it began holds the batch for its lease from then: it had run out already, and
+    another relay took the same batch while the first was sending it."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    slow = connect(autocommit=False)
+    slow.execute("SELECT 1")   # its transaction begins
+    time.sleep(1.5)
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    assert Relay(slow, "c", lease="1 second").claim()
+    slow.commit()
+    assert Relay(connect(), "c").claim() == [], "the lease is live"
+
+
+def test_a_dead_letter_replayed_while_its_batch_is_out_then_given_back_leaves_no_empty_queue(db, connect):
+    """A page's event rejected (a dead letter), replayed while its batch is out (queued again,
+    its key parked), then the batch given back: the page is read again, so the queued copy goes;
+    its key, left parked with nothing queued, took a due key's place in claims, which then
+    handed out nothing and moved the shard past the rest of its window."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    keys = keys_in_shard(db, 3, 4)
+    db.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (keys[0],))
+    relay = Relay(connect(), "c", batch_size=10)
+    batch = relay.claim()
+    db.execute("SELECT outbox.reject('c', %s, %s, %s, 'bad')", (batch[0].shard, batch[0].epoch, batch[0].id))
+    db.execute("SELECT outbox.replay('c')")
+    db.execute("SELECT outbox.release('c', %s, %s)", (batch[0].shard, batch[0].epoch))
+    assert db.execute("""SELECT count(*) FROM outbox._parked p WHERE NOT EXISTS (
+                             SELECT FROM outbox._parked_events q
+                              WHERE q.consumer_id = p.consumer_id AND q.aggregate_id = p.aggregate_id)""").fetchone()[0] == 0
+    for k in keys[1:4]:
+        db.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (k,))
+    got = Relay(connect(), "c", batch_size=1).drain()
+    assert sorted(e.aggregate_id for e in got) == sorted(keys[:4])
+
+
 def test_a_batch_of_a_dropped_consumer_settles_nothing_of_its_namesakes(db, connect):
     """A consumer dropped and made again under its name is another consumer. A relay of the old
     one, back late, must not settle a batch of the new one that holds the same shard: its
