@@ -328,3 +328,33 @@ def test_good_sink_settings_are_taken(db, pems):
                 tls_ca=pems["ca"].read_text() + pems["other_ca"].read_text())
     create_sink(db, "raw-key", "webhook", "https://127.0.0.1:9/", secret=b64(24))
     assert db.execute("SELECT count(*) FROM outbox.sinks").fetchone()[0] == 2
+
+
+def test_an_admins_expression_index_runs_under_emits_pinned_search_path(cluster, security_db):
+    """An index an admin put on outbox.events whose SQL function resolves an operator by
+    search_path: an emit, which writes as the extension's owner, must not resolve it by the
+    caller's (mallory's operator would run as the owner)."""
+    with cluster.connect(security_db) as db:
+        db.execute("CREATE FUNCTION public.order_of(jsonb) RETURNS text IMMUTABLE LANGUAGE sql"
+                   " AS $f$ SELECT $1 ->> 'order' $f$")
+        db.execute("CREATE INDEX events_order_of ON outbox.events (public.order_of(payload))")
+        db.execute("GRANT outbox_producer TO mallory")
+    with cluster.connect(security_db, "mallory") as mallory:
+        mallory.execute("CREATE SEQUENCE public.pwned")
+        mallory.execute(f"""CREATE FUNCTION public.trap_arrow(l jsonb, r text) RETURNS text LANGUAGE plpgsql
+                              AS $t$ BEGIN {trap('->>')} RETURN l OPERATOR(pg_catalog.->>) r; END $t$""")
+        mallory.execute("CREATE OPERATOR public.->> (LEFTARG = jsonb, RIGHTARG = text, FUNCTION = public.trap_arrow)")
+        mallory.execute("SET search_path = public, pg_catalog")
+        mallory.execute("SELECT outbox.emit('order', 'k', 'e', '{\"order\": \"1\"}')")
+        mallory.execute("SELECT outbox.emit_many('order', 'e', ARRAY['k'], ARRAY['{\"order\": \"2\"}'::jsonb])")
+        assert pwned(mallory) == 0, "mallory's operator ran inside an emit"
+
+
+def test_an_admins_rule_on_the_events_is_applied_to_every_emit(db):
+    """A rule on outbox.events (an audit copy, say) applies to an emit as to any INSERT."""
+    db.execute("CREATE TABLE public.audit (id uuid)")
+    db.execute("CREATE RULE audit AS ON INSERT TO outbox.events DO ALSO INSERT INTO public.audit VALUES (NEW.id)")
+    one = db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')").fetchone()[0]
+    db.execute("SELECT outbox.emit_many('order', 'e', ARRAY['a', 'b'], ARRAY['{}'::jsonb, '{}'::jsonb])")
+    assert one in [r[0] for r in db.execute("SELECT id FROM public.audit").fetchall()]
+    assert db.execute("SELECT count(*) FROM public.audit").fetchone()[0] == 3

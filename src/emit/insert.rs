@@ -3,10 +3,11 @@
 //! of one executor INSERT per row. `outbox_internal._insert_many` is bulk emit's entry to it; the native
 //! `outbox.emit` (`single`) writes its one row through it too.
 //!
-//! Nothing is written when the table is not as it expects (a trigger, row security, a CHECK or
-//! NOT NULL constraint it would not enforce, a changed column list, no partition but the
-//! default one for now()): `Target::open` returns None and `outbox.emit_many`'s plain INSERT,
-//! which does all that, writes instead.
+//! Nothing is written when the table is not as it expects (a trigger, a rule, row security, a
+//! CHECK or NOT NULL constraint it would not enforce, an index with an expression or a
+//! predicate, a changed column list, no partition but the default one for now()):
+//! `Target::open` returns None and `outbox.emit_many`'s plain INSERT, which does all that,
+//! writes instead.
 
 use super::{check_batch_fields, check_payload_size, check_size, required, uuid_v7};
 use super::{MAX_KEY_BYTES, SHARD_COUNT};
@@ -225,13 +226,18 @@ impl Target {
         let rri = pg_sys::palloc0(size_of::<pg_sys::ResultRelInfo>()) as *mut pg_sys::ResultRelInfo;
         pg_sys::InitResultRelInfo(rri, part, 1, null_mut(), 0);
         pg_sys::ExecOpenIndices(rri, false);
-        Some(Target {
+        let target = Target {
             parent,
             part,
             seq,
             estate,
             rri,
-        })
+        };
+        if indexes_run_code(rri) {
+            target.close();
+            return None;
+        }
+        Some(target)
     }
 
     /// Writes one row per id, in order (the seqs are taken in that order, after the xid);
@@ -396,13 +402,27 @@ unsafe fn partition_for(parent: pg_sys::Relation, at: pg_sys::TimestampTz) -> Op
 }
 
 /// Whether writing rows straight into `rel` skips nothing a plain INSERT would do: no trigger
-/// that would fire, no row security, no CHECK constraints or generated columns.
+/// that would fire, no rule (an admin's `ON INSERT DO ALSO` on outbox.events), no row
+/// security, no CHECK constraints or generated columns.
 // SAFETY: rel is open and locked: its relcache entry (rd_att, rd_rel, constr) is valid.
 unsafe fn plain_insert_ok(rel: pg_sys::Relation) -> bool {
     let constr = (*(*rel).rd_att).constr;
     no_trigger_fires(rel)
+        && !(*(*rel).rd_rel).relhasrules
         && !(*(*rel).rd_rel).relrowsecurity
         && (constr.is_null() || ((*constr).num_check == 0 && !(*constr).has_generated_stored))
+}
+
+/// Whether an index of the partition runs code of its own, an expression or a predicate (an
+/// admin's index on outbox.events): written here, it would run as the function's owner under
+/// the caller's search_path (a SQL function's body is parsed as it runs), where the SQL path
+/// runs it under emit_many's pinned one.
+// SAFETY: rri's indexes are open (ExecOpenIndices): ri_NumIndices IndexInfo pointers.
+unsafe fn indexes_run_code(rri: *mut pg_sys::ResultRelInfo) -> bool {
+    (0..(*rri).ri_NumIndices as usize).any(|i| {
+        let info = *(*rri).ri_IndexRelationInfo.add(i);
+        !(*info).ii_Expressions.is_null() || !(*info).ii_Predicate.is_null()
+    })
 }
 
 /// Whether `rel` has no trigger but the reach and seal triggers (sql/partitions.sql), and they
