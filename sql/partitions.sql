@@ -145,38 +145,43 @@ BEGIN
     IF lo_at >= hi_at THEN
         RETURN NULL;
     END IF;
-    IF lo_at <= clock_timestamp() + interval '1 minute' THEN
-        -- A range writers may be writing to now: hold them off until the partition is attached.
-        -- A row routed to the default partition just before the ATTACH would fail on the
-        -- default's narrowed constraint, which PostgreSQL checks after waiting for its lock
-        -- (an emit racing the first maintain() after CREATE EXTENSION). At most a second's
-        -- wait for transactions that wrote there; the next run tries again.
-        BEGIN
-            PERFORM set_config('lock_timeout', '1s', true);
-            EXECUTE format('LOCK TABLE %s IN SHARE ROW EXCLUSIVE MODE', parent);
-            PERFORM set_config('lock_timeout', old_timeout, true);
-        EXCEPTION WHEN lock_not_available THEN
-            RETURN NULL;
-        END;
-    END IF;
     SELECT n.nspname, c.relname INTO nsp, rel
       FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = parent;
     part := outbox_internal._partition_name(rel, lo_at);
     SELECT p.partition INTO dflt FROM outbox_internal.partition_ranges p
      WHERE p.parent = _create_partition.parent AND p.is_default;
-    -- Standalone first, then the default partition's rows of the range, then attach: a
-    -- default partition holding rows of the range would make a plain CREATE ... PARTITION OF fail.
-    EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
-                   nsp, part, nsp, rel);
-    IF dflt IS NOT NULL THEN
-        EXECUTE format('WITH moved AS (DELETE FROM %s d WHERE %I >= %L AND %I < %L RETURNING d.*) '
-                       'INSERT INTO %I.%I SELECT * FROM moved',
-                       dflt, outbox_internal._key_column(parent), outbox_internal._bound(parent, lo_at),
-                       outbox_internal._key_column(parent), outbox_internal._bound(parent, hi_at), nsp, part);
-    END IF;
-    PERFORM outbox_internal._index_partition(parent, format('%I.%I', nsp, part)::regclass);
-    EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
-                   nsp, rel, nsp, part, outbox_internal._bound(parent, lo_at), outbox_internal._bound(parent, hi_at));
+    -- Every lock waited for at most a second; the next run tries again. The ATTACH takes the
+    -- default partition in ACCESS EXCLUSIVE mode: waiting on a reader that holds it for long (a
+    -- pg_dump over midnight, a session idle in a transaction), its queued request would block
+    -- every claim, which reads the default partition, and the worker's loop with this run.
+    PERFORM set_config('lock_timeout', '1s', true);
+    BEGIN
+        IF lo_at <= clock_timestamp() + interval '1 minute' THEN
+            -- A range writers may be writing to now: hold them off until the partition is
+            -- attached. A row routed to the default partition just before the ATTACH would
+            -- fail on the default's narrowed constraint, which PostgreSQL checks after waiting
+            -- for its lock (an emit racing the first maintain() after CREATE EXTENSION).
+            EXECUTE format('LOCK TABLE %s IN SHARE ROW EXCLUSIVE MODE', parent);
+        END IF;
+        -- Standalone first, then the default partition's rows of the range, then attach: a
+        -- default partition holding rows of the range would make a plain CREATE ... PARTITION
+        -- OF fail.
+        EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
+                       nsp, part, nsp, rel);
+        IF dflt IS NOT NULL THEN
+            EXECUTE format('WITH moved AS (DELETE FROM %s d WHERE %I >= %L AND %I < %L RETURNING d.*) '
+                           'INSERT INTO %I.%I SELECT * FROM moved',
+                           dflt, outbox_internal._key_column(parent), outbox_internal._bound(parent, lo_at),
+                           outbox_internal._key_column(parent), outbox_internal._bound(parent, hi_at), nsp, part);
+        END IF;
+        PERFORM outbox_internal._index_partition(parent, format('%I.%I', nsp, part)::regclass);
+        EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
+                       nsp, rel, nsp, part, outbox_internal._bound(parent, lo_at), outbox_internal._bound(parent, hi_at));
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', old_timeout, true);
+        RETURN NULL;  -- all of it undone: the moved rows are back in the default partition
+    END;
+    PERFORM set_config('lock_timeout', old_timeout, true);
     PERFORM outbox_internal._revoke_all(format('%I.%I', nsp, part)::regclass);
     RETURN format('%I.%I', nsp, part)::regclass;
 END

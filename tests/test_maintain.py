@@ -329,3 +329,26 @@ def test_partitions_made_by_create_extension_can_be_dropped_too(db):
     Relay(db, "c").drain()
     assert ("dropped", part) in [(a, r) for a, r, _ in maintain(db)]
     assert db.execute("SELECT to_regclass(%s)", (part,)).fetchone()[0] is None
+
+
+def test_a_reader_of_the_default_partition_holds_maintain_up_a_second_at_most(db, connect):
+    """A pg_dump over midnight holds every table, the default partition among them, in ACCESS
+    SHARE mode. The ATTACH of a partition made ahead takes the default one in ACCESS EXCLUSIVE
+    mode: maintain() waits for it at most a second (the next run goes on), or its queued
+    request would block every claim, and the worker's loop with this run, for the whole dump."""
+    count = "SELECT count(*) FROM outbox.partitions WHERE parent = 'outbox.events'::regclass AND NOT is_default"
+    db.execute("SELECT outbox.create_consumer('c')")
+    before = db.execute(count).fetchone()[0]
+    reader = connect(autocommit=False)
+    reader.execute("SELECT count(*) FROM outbox.events_default")
+    db.execute("UPDATE outbox.partition_config SET ahead = ahead + 2 WHERE parent = 'outbox.events'::regclass")
+    db.execute("SET statement_timeout = '20s'")
+    started = time.monotonic()
+    db.execute("SELECT * FROM outbox.maintain()")
+    assert time.monotonic() - started < 10
+    assert db.execute(count).fetchone()[0] == before, "nothing attached while the reader holds the default"
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["k"]
+    reader.rollback()
+    db.execute("SELECT * FROM outbox.maintain()")
+    assert db.execute(count).fetchone()[0] == before + 2
