@@ -72,6 +72,8 @@ GRANT SELECT ON outbox.events, outbox.status, outbox.shard_status TO outbox_rela
 -- whoever reads it)
 GRANT EXECUTE ON FUNCTION outbox_internal._shard_pending(outbox._cursor_log, outbox.sinks)
     TO outbox_relay, outbox_admin;
+-- and what outbox.partitions asks of each partition (outbox_admin reads it)
+GRANT EXECUTE ON FUNCTION outbox_internal._bound_clause(pg_node_tree, oid) TO outbox_admin;
 GRANT EXECUTE ON FUNCTION
     outbox.claim(text, int, interval, text, int),
     outbox.settle(text, int, bigint, jsonb),

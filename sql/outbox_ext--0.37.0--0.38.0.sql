@@ -23,7 +23,9 @@
 -- session_replication_role = replica skipped the rebase of a restored dump before its emit.
 -- maintain() waited without a timeout for the default partition when it attached a partition
 -- made ahead: a reader holding it (a pg_dump over midnight) held maintain() up, and every claim
--- queued behind its request; it waits a second at most now, and the next run goes on.
+-- queued behind its request; it waits a second at most now, and the next run goes on. In a
+-- session whose DateStyle prints zone abbreviations, partition bounds were read back in
+-- another zone ('CST' of Asia/Shanghai as US Central): they are printed in ISO form now.
 
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.38.0'" to load this file. \quit
 
@@ -606,3 +608,31 @@ BEGIN
     RETURN format('%I.%I', nsp, part)::regclass;
 END
 $$;
+
+-- (sql/partitions.sql)
+CREATE OR REPLACE FUNCTION outbox_internal._bound(parent regclass, at timestamptz) RETURNS text
+    LANGUAGE sql STABLE
+    RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN inbox.uuid_at(at)::text
+                ELSE to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US') || '+00' END;
+
+-- A partition's bound clause, printed in ISO form (see _bound).
+CREATE OR REPLACE FUNCTION outbox_internal._bound_clause(bound pg_node_tree, rel oid) RETURNS text
+    LANGUAGE sql STABLE SET datestyle = 'ISO, YMD'
+    RETURN pg_get_expr(bound, rel);
+
+-- Every partition of the two tables with its time range (NULLs for a default partition).
+CREATE OR REPLACE VIEW outbox_internal.partition_ranges AS
+SELECT i.inhparent::regclass AS parent,
+       c.oid::regclass AS partition,
+       CASE WHEN i.inhparent = 'inbox.messages'::regclass THEN inbox.uuid_time(b[1]::uuid) ELSE b[1]::timestamptz END AS lower,
+       CASE WHEN i.inhparent = 'inbox.messages'::regclass THEN inbox.uuid_time(b[2]::uuid) ELSE b[2]::timestamptz END AS upper,
+       b IS NULL AS is_default
+  FROM pg_inherits i
+  JOIN pg_class c ON c.oid = i.inhrelid
+  CROSS JOIN LATERAL outbox_internal._bound_clause(c.relpartbound, c.oid) AS e
+  -- FOR VALUES FROM ('lower') TO ('upper'): the quoted values, cut out without a regexp
+  CROSS JOIN LATERAL (SELECT CASE WHEN e LIKE 'FOR VALUES FROM (''%'') TO (''%'')'
+                                  THEN ARRAY[split_part(e, '''', 2), split_part(e, '''', 4)] END) AS x(b)
+ WHERE i.inhparent IN ('outbox.events'::regclass, 'inbox.messages'::regclass);
+REVOKE ALL ON FUNCTION outbox_internal._bound_clause(pg_node_tree, oid) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox_internal._bound_clause(pg_node_tree, oid) TO outbox_admin;

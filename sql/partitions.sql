@@ -46,9 +46,18 @@ CREATE OR REPLACE FUNCTION outbox_internal._key_column(parent regclass) RETURNS 
 CREATE OR REPLACE FUNCTION outbox_internal._key_time(parent regclass) RETURNS text
     LANGUAGE sql IMMUTABLE
     RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN 'inbox.uuid_time(message_id)' ELSE 'created_at' END;
+-- (A time as text in ISO form, UTC, whatever the session's DateStyle and TimeZone: in another
+-- style a zone prints as an abbreviation, which may be read back as another zone, 'CST' of
+-- Asia/Shanghai as US Central, and the partitions came out hours off.)
 CREATE OR REPLACE FUNCTION outbox_internal._bound(parent regclass, at timestamptz) RETURNS text
     LANGUAGE sql STABLE
-    RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN inbox.uuid_at(at)::text ELSE at::text END;
+    RETURN CASE WHEN parent = 'inbox.messages'::regclass THEN inbox.uuid_at(at)::text
+                ELSE to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US') || '+00' END;
+
+-- A partition's bound clause, printed in ISO form (see _bound).
+CREATE OR REPLACE FUNCTION outbox_internal._bound_clause(bound pg_node_tree, rel oid) RETURNS text
+    LANGUAGE sql STABLE SET datestyle = 'ISO, YMD'
+    RETURN pg_get_expr(bound, rel);
 
 -- Every partition of the two tables with its time range (NULLs for a default partition).
 CREATE OR REPLACE VIEW outbox_internal.partition_ranges AS
@@ -59,7 +68,7 @@ SELECT i.inhparent::regclass AS parent,
        b IS NULL AS is_default
   FROM pg_inherits i
   JOIN pg_class c ON c.oid = i.inhrelid
-  CROSS JOIN LATERAL pg_get_expr(c.relpartbound, c.oid) AS e
+  CROSS JOIN LATERAL outbox_internal._bound_clause(c.relpartbound, c.oid) AS e
   -- FOR VALUES FROM ('lower') TO ('upper'): the quoted values, cut out without a regexp
   CROSS JOIN LATERAL (SELECT CASE WHEN e LIKE 'FOR VALUES FROM (''%'') TO (''%'')'
                                   THEN ARRAY[split_part(e, '''', 2), split_part(e, '''', 4)] END) AS x(b)

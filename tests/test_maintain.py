@@ -352,3 +352,24 @@ def test_a_reader_of_the_default_partition_holds_maintain_up_a_second_at_most(db
     reader.rollback()
     db.execute("SELECT * FROM outbox.maintain()")
     assert db.execute(count).fetchone()[0] == before + 2
+
+
+def test_partitions_come_out_right_in_any_datestyle_and_time_zone(db):
+    """In DateStyle SQL a time prints with its zone's abbreviation, which may stand for another
+    zone when read back ('CST' of Asia/Shanghai is US Central): partitions read and made in
+    such a session were 14 hours off."""
+    db.execute("SET datestyle = 'SQL, DMY'")
+    db.execute("SET timezone = 'Asia/Shanghai'")
+    off = ("SELECT count(*) FROM outbox.partitions WHERE parent = 'outbox.events'::regclass AND NOT is_default"
+           " AND (extract(epoch FROM lower)::bigint %% %s <> 0 OR extract(epoch FROM upper)::bigint %% %s <> 0)")
+    assert db.execute(off, (86400, 86400)).fetchone()[0] == 0, "the daily partitions are read at UTC midnights"
+    for (part,) in db.execute("SELECT partition::text FROM outbox.partitions"
+                              " WHERE parent = 'outbox.events'::regclass AND NOT is_default").fetchall():
+        db.execute(f"DROP TABLE {part}")   # hourly ones from here on
+    db.execute("UPDATE outbox.partition_config SET width = '1 hour', ahead = 30 WHERE parent = 'outbox.events'::regclass")
+    db.execute("SELECT * FROM outbox.maintain()")
+    assert db.execute(off, (3600, 3600)).fetchone()[0] == 0
+    assert db.execute("""SELECT count(*) FROM outbox.partitions
+                          WHERE parent = 'outbox.events'::regclass AND upper - lower = interval '1 hour'""").fetchone()[0] >= 20
+    db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    assert db.execute("SELECT count(*) FROM outbox.events_default").fetchone()[0] == 0
