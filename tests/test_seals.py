@@ -134,17 +134,24 @@ def test_a_restore_drops_the_seals_and_none_is_made_until_it_is_rebased(db, conn
     assert db.execute(seals).fetchone()[0] == 1, "the rebased log is sealed again"
 
 
-def test_an_event_made_behind_a_seal_is_claimed_after_the_clock_has_caught_up(db):
-    """A clock stepped back past a sealed partition boundary: an event made then (created_at
-    behind the seal, seq above it) lands in a sealed partition. Claims that trust the seal,
-    once the clock is past it again (before maintain() has run), would skip the event for
-    good: it breaks the seals above it in its own transaction, so it is claimed."""
+def sealed_consumer(db) -> tuple[Relay, str]:
+    """A consumer read past a seal, and the time five minutes behind the seal, from now (an
+    interval, for insert_event_at)."""
     db.execute("SELECT outbox.create_consumer('c')")
     make_old_partitions(db)
     relay = Relay(db, "c")
     read_past_everything(db, relay)
     behind = db.execute("SELECT extract(epoch FROM max(upper) - interval '5 minutes' - now())::text || ' s'"
                         " FROM outbox._seals").fetchone()[0]
+    return relay, behind
+
+
+def test_an_event_made_behind_a_seal_is_claimed_after_the_clock_has_caught_up(db):
+    """A clock stepped back past a sealed partition boundary: an event made then (created_at
+    behind the seal, seq above it) lands in a sealed partition. Claims that trust the seal,
+    once the clock is past it again (before maintain() has run), would skip the event for
+    good: it breaks the seals above it in its own transaction, so it is claimed."""
+    relay, behind = sealed_consumer(db)
     insert_event_at(db, "late", behind)   # as emit writes it, its transaction begun behind the seal
     assert [e.aggregate_id for e in relay.drain()] == ["late"]
     db.execute("SELECT * FROM outbox.maintain()")
@@ -157,12 +164,7 @@ def test_an_event_made_behind_a_seal_is_claimed_after_the_clock_has_caught_up(db
 def test_an_event_behind_a_seal_in_an_open_transaction_does_not_hold_maintain_up(db, connect):
     """What an event behind a seal records is seen by maintain() once it commits; until then
     maintain() goes on without it (no lock of a seal is held by the event's transaction)."""
-    db.execute("SELECT outbox.create_consumer('c')")
-    make_old_partitions(db)
-    relay = Relay(db, "c")
-    read_past_everything(db, relay)
-    behind = db.execute("SELECT extract(epoch FROM max(upper) - interval '5 minutes' - now())::text || ' s'"
-                        " FROM outbox._seals").fetchone()[0]
+    relay, behind = sealed_consumer(db)
     writer = connect(autocommit=False)
     insert_event_at(writer, "late", behind)
     db.execute("SET statement_timeout = '10s'")
