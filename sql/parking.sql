@@ -216,6 +216,8 @@ $$;
 -- events is undone. A key that this batch parked (its queue holds only copies of this batch's
 -- page, none of them a parked head it handed out) is unparked, its queue dropped, as if the
 -- batch had never been claimed: kept, its earlier events would be queued behind the failed one.
+-- (If a replay queued a dead letter of the key meanwhile, the key stays parked for it, with
+-- nothing counted and due at once: the replay's, not the batch's.)
 -- A key parked before (its head handed out and nacked) keeps its queue and the attempt counted,
 -- less the copies of this page's events: the next claim may read a smaller page, and a copy
 -- beyond it would go out from the queue and again from the log. A key that rode and failed at
@@ -247,10 +249,12 @@ BEGIN
     UPDATE outbox._parked p
        SET attempts = 0, next_attempt_at = now(), nacked_epoch = NULL, nacked_pos = NULL
      WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch
-       AND EXISTS (SELECT FROM outbox._parked_events q
-                    WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
-                      AND q.pos = p.nacked_pos AND q.id = ANY (ids)
-                   OFFSET 0);  -- a lookup by the key's queue position, not a semi-join
+       AND (p.nacked_pos IS NULL  -- parked by this batch (a window event failed): a replay's
+                                  -- event may keep it parked, on no attempt of its own
+            OR EXISTS (SELECT FROM outbox._parked_events q
+                        WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
+                          AND q.pos = p.nacked_pos AND q.id = ANY (ids)
+                       OFFSET 0));  -- a lookup by the key's queue position, not a semi-join
     WITH unparked AS (
         DELETE FROM outbox._parked p
          WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch

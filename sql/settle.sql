@@ -188,17 +188,19 @@ $$;
 -- the batch this kept back.
 -- A key failed in this batch before (nack, reject) kept its events back from some point on:
 -- reported again from there or after, nothing changes; from before it, the events in between
--- would be acked unsent, so that is refused.
+-- would be acked unsent, so that is refused; and so is a reject of the very event queued for a
+-- retry, which would change nothing either (the relay would take it for dead-lettered).
 CREATE OR REPLACE FUNCTION outbox_internal._fail_keys(c outbox.consumers, cur outbox._cursor_log,
                                              batch outbox.events[], firsts outbox_internal._failure[]) RETURNS int
     LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    fresh  outbox_internal._failure[];  -- the keys not failed in this batch before
-    early  uuid;
-    parked text[];
-    riders text[];  -- keys with heads in this batch whose events of the page failed
-    kept   int;
+    fresh   outbox_internal._failure[];  -- the keys not failed in this batch before
+    early   uuid;
+    retried uuid;
+    parked  text[];
+    riders  text[];  -- keys with heads in this batch whose events of the page failed
+    kept    int;
 BEGIN
     -- where each key failed in this batch before, if it did: a head's key by its record, a
     -- window event's key by its events of the batch already queued or dead-lettered
@@ -218,12 +220,23 @@ BEGIN
                END AS failed_from
           FROM unnest(firsts) f)
     SELECT (SELECT (b.f).event_id FROM before b WHERE (b.f).seq < b.failed_from LIMIT 1),
+           -- a reject of the very event a nack queued for a retry: it would change nothing
+           (SELECT (b.f).event_id FROM before b
+             WHERE (b.f).final AND (b.f).seq = b.failed_from
+               AND EXISTS (SELECT FROM outbox._parked_events q
+                            WHERE q.consumer_id = c.id AND q.id = (b.f).event_id)
+             LIMIT 1),
            ARRAY(SELECT b.f FROM before b WHERE b.failed_from IS NULL)
-      INTO early, fresh;
+      INTO early, retried, fresh;
     IF early IS NOT NULL THEN
         RAISE EXCEPTION 'event % comes before an event of its key already reported failed in this batch', early
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Report a key''s failures in batch order, or all at once with outbox.settle.';
+    ELSIF retried IS NOT NULL THEN
+        RAISE EXCEPTION 'event % was reported failed in this batch already, to be retried', retried
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Report an event''s failure once per claim: reject it the first time, or '
+                         'when it is claimed again.';
     END IF;
     -- the window's events kept back: from a failed one on, or all that rode behind a failed head
     kept := (SELECT count(*) FROM unnest(batch) b JOIN unnest(fresh) f ON f.aggregate_id = b.aggregate_id
@@ -316,7 +329,8 @@ DECLARE
 BEGIN
     firsts := ARRAY(SELECT DISTINCT ON (r.aggregate_id) r
                       FROM unnest(outbox_internal._resolve(c, cur, batch, failures)) AS r
-                     ORDER BY r.aggregate_id, r.head DESC, r.seq);  -- a key's heads before its page
+                     -- a key's heads before its page; an event listed twice, final first
+                     ORDER BY r.aggregate_id, r.head DESC, r.seq, r.final DESC);
     BEGIN
         kept := outbox_internal._fail_keys(c, cur, batch, firsts);
     EXCEPTION WHEN OTHERS THEN

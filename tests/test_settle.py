@@ -396,6 +396,49 @@ def test_a_rejected_event_listed_again_stays_dead(db, relay):
     assert relay.drain() == [], "not delivered again"
 
 
+def test_a_reject_of_an_event_nacked_in_its_batch_is_refused_not_ignored(db, relay):
+    """nack queues the event for a retry; a reject of it in the same batch changed nothing,
+    silently, though the relay took the event for dead-lettered."""
+    a, = keys_in_shard(db, 7, 1)
+    batch, by_key = emit_batch(db, relay, {a: 2})
+    relay.nack(by_key[a][0], "HTTP 503")
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as e:
+        db.execute("SELECT outbox.reject('sink', %s, %s, %s, 'HTTP 422')", (batch[0].shard, batch[0].epoch, by_key[a][0].id))
+    assert e.value.diag.message_hint
+    # a later event of the key is held back behind the nacked one, never sent: as before
+    db.execute("SELECT outbox.reject('sink', %s, %s, %s, 'HTTP 422')", (batch[0].shard, batch[0].epoch, by_key[a][1].id))
+    relay.ack(batch[0].shard, batch[0].epoch)
+    assert dead(db) == [] and parked(db) == {a: [0, 1]}
+
+
+def test_an_event_listed_as_retried_and_as_final_in_one_settle_is_dead_lettered(db, relay):
+    a, = keys_in_shard(db, 7, 1)
+    batch, by_key = emit_batch(db, relay, {a: 1})
+    relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(by_key[a][0], "HTTP 503"),
+                                                  relay.failure(by_key[a][0], "HTTP 422", final=True)])
+    assert dead(db) == [(a, 0, "HTTP 422")] and parked(db) == {}
+
+
+def test_a_batch_given_back_after_a_nack_and_a_replay_of_its_key_counts_no_attempt(db, connect):
+    """A key's dead letter replayed while a batch holding a nacked event of the key is out, then
+    the batch given back: the key stays parked for the replayed event, but "as if never
+    claimed": not on the nack's attempt and backoff (an hour here), which held the replay back."""
+    db.execute("SELECT outbox.create_consumer('c', backoff_base => '1 hour', backoff_max => '1 hour')")
+    relay = Relay(connect(), "c")
+    a, = keys_in_shard(db, 7, 1)
+    db.execute("SELECT outbox.emit('order', %s, 'e', '{\"i\": 0}')", (a,))
+    first = relay.claim()
+    relay.settle(first[0].shard, first[0].epoch, [relay.failure(first[0], "HTTP 422", final=True)])
+    for i in (1, 2):
+        db.execute("SELECT outbox.emit('order', %s, 'e', jsonb_build_object('i', %s::int))", (a, i))
+    batch = relay.claim()
+    relay.nack(batch[0], "HTTP 503")
+    db.execute("SELECT outbox.replay('c')")
+    relay.release(batch[0].shard, batch[0].epoch)
+    assert db.execute("SELECT attempts, next_attempt_at <= now() FROM outbox._parked").fetchall() == [(0, True)]
+    assert [e.payload["i"] for e in relay.drain()] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("how", ["reject", "nack at max_attempts"])
 def test_a_dead_head_replayed_before_its_batch_is_acked_is_not_acked_with_it(db, relay, how):
     """A parked key's only queued event, handed out as its head, dies by reject (or a nack of
