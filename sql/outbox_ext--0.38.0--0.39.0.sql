@@ -183,3 +183,163 @@ BEGIN
     RETURN kept;
 END
 $$;
+
+-- (partition names: microseconds when a bound has any)
+CREATE OR REPLACE FUNCTION outbox_internal._partition_name(parent text, lo_at timestamptz) RETURNS text
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    -- (microseconds too when there are any: widths under a second, and gaps a change of width
+    -- left, give bounds within one second)
+    RETURN parent || '_p' || pg_catalog.to_char(lo_at AT TIME ZONE 'UTC', 'YYYYMMDD"_"HH24MISS')
+           || CASE WHEN pg_catalog.to_char(lo_at AT TIME ZONE 'UTC', 'US') <> '000000'
+                   THEN pg_catalog.to_char(lo_at AT TIME ZONE 'UTC', '"_"US') ELSE '' END;
+
+-- (a partition fills the first gap of its range; a name taken by a detached table gets a suffix)
+CREATE OR REPLACE FUNCTION outbox_internal._create_partition(parent regclass, lo_at timestamptz, width interval)
+RETURNS regclass
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    hi_at timestamptz;
+    nsp   text;
+    rel   text;
+    part  text;
+    taken int := 1;
+    dflt  regclass;
+    old_timeout text := current_setting('lock_timeout');
+BEGIN
+    SELECT lower(g), upper(g) INTO lo_at, hi_at
+      FROM unnest(tstzmultirange(tstzrange(lo_at, lo_at + width))
+                  - (SELECT coalesce(range_agg(tstzrange(p.lower, p.upper)), '{}')
+                       FROM outbox_internal.partition_ranges p
+                      WHERE p.parent = _create_partition.parent AND NOT p.is_default
+                        AND tstzrange(p.lower, p.upper) && tstzrange(lo_at, lo_at + width))) AS g
+     ORDER BY lower(g) LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    SELECT n.nspname, c.relname INTO nsp, rel
+      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = parent;
+    -- a name of its own: a table detached from that range (detach = true) may keep it
+    part := outbox_internal._partition_name(rel, lo_at);
+    WHILE EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                   WHERE n.nspname = nsp AND c.relname IN (part, part || '_read', part || '_key')) LOOP
+        taken := taken + 1;
+        part := outbox_internal._partition_name(rel, lo_at) || '_' || taken;
+    END LOOP;
+    SELECT p.partition INTO dflt FROM outbox_internal.partition_ranges p
+     WHERE p.parent = _create_partition.parent AND p.is_default;
+    -- Every lock waited for at most a second; the next run tries again. The ATTACH takes the
+    -- default partition in ACCESS EXCLUSIVE mode: waiting on a reader that holds it for long (a
+    -- pg_dump over midnight, a session idle in a transaction), its queued request would block
+    -- every claim, which reads the default partition, and the worker's loop with this run.
+    PERFORM set_config('lock_timeout', '1s', true);
+    BEGIN
+        IF lo_at <= clock_timestamp() + interval '1 minute' THEN
+            -- A range writers may be writing to now: hold them off until the partition is
+            -- attached. A row routed to the default partition just before the ATTACH would
+            -- fail on the default's narrowed constraint, which PostgreSQL checks after waiting
+            -- for its lock (an emit racing the first maintain() after CREATE EXTENSION).
+            EXECUTE format('LOCK TABLE %s IN SHARE ROW EXCLUSIVE MODE', parent);
+        END IF;
+        -- Standalone first, then the default partition's rows of the range, then attach: a
+        -- default partition holding rows of the range would make a plain CREATE ... PARTITION
+        -- OF fail.
+        EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
+                       nsp, part, nsp, rel);
+        IF dflt IS NOT NULL THEN
+            EXECUTE format('WITH moved AS (DELETE FROM %s d WHERE %I >= %L AND %I < %L RETURNING d.*) '
+                           'INSERT INTO %I.%I SELECT * FROM moved',
+                           dflt, outbox_internal._key_column(parent), outbox_internal._bound(parent, lo_at),
+                           outbox_internal._key_column(parent), outbox_internal._bound(parent, hi_at), nsp, part);
+        END IF;
+        PERFORM outbox_internal._index_partition(parent, format('%I.%I', nsp, part)::regclass);
+        EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
+                       nsp, rel, nsp, part, outbox_internal._bound(parent, lo_at), outbox_internal._bound(parent, hi_at));
+    EXCEPTION WHEN lock_not_available THEN
+        PERFORM set_config('lock_timeout', old_timeout, true);
+        RETURN NULL;  -- all of it undone: the moved rows are back in the default partition
+    END;
+    PERFORM set_config('lock_timeout', old_timeout, true);
+    PERFORM outbox_internal._revoke_all(format('%I.%I', nsp, part)::regclass);
+    RETURN format('%I.%I', nsp, part)::regclass;
+END
+$$;
+
+-- (every gap of a range is filled: several after a change of width)
+CREATE OR REPLACE FUNCTION outbox_internal._maint_move_default(cfg outbox.partition_config,
+                                                        parts outbox.partitions[], budget int)
+RETURNS outbox_internal._maint_step
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    step    outbox_internal._maint_step := ROW('{}', 0, false);
+    lo_at   timestamptz;
+    created regclass;
+BEGIN
+    FOR lo_at IN EXECUTE format(
+            'SELECT DISTINCT outbox_internal._floor_time(%s, %L) FROM %s %s ORDER BY 1 LIMIT %s',
+            outbox_internal._key_time(cfg.parent), cfg.width,
+            (SELECT d.partition FROM unnest(parts) d WHERE d.parent = cfg.parent AND d.is_default),
+            CASE WHEN cfg.parent = 'inbox.messages'::regclass
+                 THEN outbox_internal._inbox_ids_to_move(cfg) ELSE '' END,
+            budget + 1)
+    LOOP
+        IF step.used = budget THEN
+            step.rows := step.rows || ROW('deferred', cfg.parent::text,
+                'rows of more partitions in the default partition than one run takes: the next run goes on')::outbox_internal._maint_row;
+            EXIT;
+        END IF;
+        step.used := step.used + 1;
+        LOOP  -- each gap of the range (several after a change of width)
+            created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
+            EXIT WHEN created IS NULL;
+            step.changed := true;
+            RAISE WARNING 'outbox.maintain: rows of % were in its default partition; moved them to %',
+                cfg.parent, created;
+            step.rows := step.rows || ROW('moved', created::text, 'rows from the default partition')::outbox_internal._maint_row;
+        END LOOP;
+    END LOOP;
+    RETURN step;
+END
+$$;
+
+-- (every gap of a range is filled: several after a change of width)
+CREATE OR REPLACE FUNCTION outbox_internal._maint_create_ahead(cfg outbox.partition_config,
+                                                        parts outbox.partitions[], budget int)
+RETURNS outbox_internal._maint_step
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    step    outbox_internal._maint_step := ROW('{}', 0, false);
+    lo_at   timestamptz;
+    created regclass;
+BEGIN
+    FOR lo_at IN
+        WITH existing AS (  -- what the partitions cover, as one value (not a scan per range)
+                 SELECT coalesce(range_agg(tstzrange(x.lower, x.upper)), '{}') AS covered
+                   FROM unnest(parts) x
+                  WHERE x.parent = cfg.parent AND NOT x.is_default
+                    AND x.upper > outbox_internal._floor_time(now(), cfg.width))
+        SELECT g FROM existing,
+                      generate_series(outbox_internal._floor_time(now(), cfg.width),
+                                      outbox_internal._floor_time(now(), cfg.width) + cfg.width * cfg.ahead,
+                                      cfg.width) AS g
+         WHERE NOT existing.covered @> tstzrange(g, g + cfg.width)
+         ORDER BY g LIMIT budget + 3
+    LOOP
+        IF step.used >= budget AND lo_at > outbox_internal._floor_time(now(), cfg.width) + cfg.width THEN
+            step.rows := step.rows || ROW('deferred', cfg.parent::text,
+                'more partitions to create than one run takes: the next run goes on')::outbox_internal._maint_row;
+            EXIT;
+        END IF;
+        LOOP  -- each gap of the range (several after a change of width)
+            created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
+            EXIT WHEN created IS NULL;
+            step.used := least(step.used + 1, budget);
+            step.changed := true;
+            step.rows := step.rows || ROW('created', created::text, NULL)::outbox_internal._maint_row;
+        END LOOP;
+    END LOOP;
+    RETURN step;
+END
+$$;

@@ -4,7 +4,8 @@
 -- time too). outbox.maintain() keeps both: it creates partitions ahead, drops (or detaches)
 -- those past their retention — for events only once every consumer has read past all of their
 -- events — and moves rows that landed in a default partition into partitions of their own.
--- Partitions are named <parent>_pYYYYMMDD_HH24MISS after their lower bound in UTC.
+-- Partitions are named <parent>_pYYYYMMDD_HH24MISS after their lower bound in UTC (with _US,
+-- its microseconds, when it has any; with _2, _3 ... when the name is taken).
 --
 -- Rerunnable: the 0.1.0 -> 0.2.0 upgrade script includes this file.
 -- Name resolution (sql/grants.sql): maintain() and the trigger functions _note_reach and
@@ -35,7 +36,11 @@ ON CONFLICT (parent) DO NOTHING;
 
 CREATE OR REPLACE FUNCTION outbox_internal._partition_name(parent text, lo_at timestamptz) RETURNS text
     LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
-    RETURN parent || '_p' || pg_catalog.to_char(lo_at AT TIME ZONE 'UTC', 'YYYYMMDD"_"HH24MISS');
+    -- (microseconds too when there are any: widths under a second, and gaps a change of width
+    -- left, give bounds within one second)
+    RETURN parent || '_p' || pg_catalog.to_char(lo_at AT TIME ZONE 'UTC', 'YYYYMMDD"_"HH24MISS')
+           || CASE WHEN pg_catalog.to_char(lo_at AT TIME ZONE 'UTC', 'US') <> '000000'
+                   THEN pg_catalog.to_char(lo_at AT TIME ZONE 'UTC', '"_"US') ELSE '' END;
 
 -- The partition key column of a table, and its value at a moment, as a literal (the inbox's
 -- key is a UUIDv7).
@@ -132,31 +137,42 @@ BEGIN
 END
 $$;
 
--- Create the partition [lo_at, lo_at + width) of parent, clipped to the gap between existing
--- partitions; rows for that range waiting in the default partition move into it first.
--- Returns the partition created, or NULL if the range is already covered.
+-- Create a partition of parent for the first gap the existing partitions leave in
+-- [lo_at, lo_at + width) (after a change of width there may be several: call it until it
+-- returns NULL); rows for that range waiting in the default partition move into it first.
+-- Returns the partition created, or NULL if the range is covered (or a lock was not had).
 CREATE OR REPLACE FUNCTION outbox_internal._create_partition(parent regclass, lo_at timestamptz, width interval)
 RETURNS regclass
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    hi_at timestamptz := lo_at + width;
+    hi_at timestamptz;
     nsp   text;
     rel   text;
     part  text;
+    taken int := 1;
     dflt  regclass;
     old_timeout text := current_setting('lock_timeout');
 BEGIN
-    SELECT greatest(lo_at, max(p.upper)) INTO lo_at FROM outbox_internal.partition_ranges p
-     WHERE p.parent = _create_partition.parent AND NOT p.is_default AND p.upper > lo_at AND p.lower <= lo_at;
-    SELECT least(hi_at, min(p.lower)) INTO hi_at FROM outbox_internal.partition_ranges p
-     WHERE p.parent = _create_partition.parent AND NOT p.is_default AND p.lower >= lo_at AND p.lower < hi_at;
-    IF lo_at >= hi_at THEN
+    SELECT lower(g), upper(g) INTO lo_at, hi_at
+      FROM unnest(tstzmultirange(tstzrange(lo_at, lo_at + width))
+                  - (SELECT coalesce(range_agg(tstzrange(p.lower, p.upper)), '{}')
+                       FROM outbox_internal.partition_ranges p
+                      WHERE p.parent = _create_partition.parent AND NOT p.is_default
+                        AND tstzrange(p.lower, p.upper) && tstzrange(lo_at, lo_at + width))) AS g
+     ORDER BY lower(g) LIMIT 1;
+    IF NOT FOUND THEN
         RETURN NULL;
     END IF;
     SELECT n.nspname, c.relname INTO nsp, rel
       FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = parent;
+    -- a name of its own: a table detached from that range (detach = true) may keep it
     part := outbox_internal._partition_name(rel, lo_at);
+    WHILE EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                   WHERE n.nspname = nsp AND c.relname IN (part, part || '_read', part || '_key')) LOOP
+        taken := taken + 1;
+        part := outbox_internal._partition_name(rel, lo_at) || '_' || taken;
+    END LOOP;
     SELECT p.partition INTO dflt FROM outbox_internal.partition_ranges p
      WHERE p.parent = _create_partition.parent AND p.is_default;
     -- Every lock waited for at most a second; the next run tries again. The ATTACH takes the
@@ -607,13 +623,14 @@ BEGIN
             EXIT;
         END IF;
         step.used := step.used + 1;
-        created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
-        IF created IS NOT NULL THEN
+        LOOP  -- each gap of the range (several after a change of width)
+            created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
+            EXIT WHEN created IS NULL;
             step.changed := true;
             RAISE WARNING 'outbox.maintain: rows of % were in its default partition; moved them to %',
                 cfg.parent, created;
             step.rows := step.rows || ROW('moved', created::text, 'rows from the default partition')::outbox_internal._maint_row;
-        END IF;
+        END LOOP;
     END LOOP;
     RETURN step;
 END
@@ -650,12 +667,13 @@ BEGIN
                 'more partitions to create than one run takes: the next run goes on')::outbox_internal._maint_row;
             EXIT;
         END IF;
-        step.used := least(step.used + 1, budget);
-        created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
-        IF created IS NOT NULL THEN
+        LOOP  -- each gap of the range (several after a change of width)
+            created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
+            EXIT WHEN created IS NULL;
+            step.used := least(step.used + 1, budget);
             step.changed := true;
             step.rows := step.rows || ROW('created', created::text, NULL)::outbox_internal._maint_row;
-        END IF;
+        END LOOP;
     END LOOP;
     RETURN step;
 END

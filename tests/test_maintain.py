@@ -354,6 +354,15 @@ def test_a_reader_of_the_default_partition_holds_maintain_up_a_second_at_most(db
     assert db.execute(count).fetchone()[0] == before + 2
 
 
+def repartition(db, parent: str, width: str, ahead: int) -> None:
+    """Drops parent's dated partitions (empty here) and sets a new width for the next run."""
+    for (part,) in db.execute("SELECT partition::text FROM outbox.partitions WHERE parent = %s::regclass "
+                              "AND NOT is_default", (parent,)).fetchall():
+        db.execute(f"DROP TABLE {part}")
+    db.execute("UPDATE outbox.partition_config SET width = %s, ahead = %s WHERE parent = %s::regclass",
+               (width, ahead, parent))
+
+
 def test_partitions_come_out_right_in_any_datestyle_and_time_zone(db):
     """In DateStyle SQL a time prints with its zone's abbreviation, which may stand for another
     zone when read back ('CST' of Asia/Shanghai is US Central): partitions read and made in
@@ -363,13 +372,60 @@ def test_partitions_come_out_right_in_any_datestyle_and_time_zone(db):
     off = ("SELECT count(*) FROM outbox.partitions WHERE parent = 'outbox.events'::regclass AND NOT is_default"
            " AND (extract(epoch FROM lower)::bigint %% %s <> 0 OR extract(epoch FROM upper)::bigint %% %s <> 0)")
     assert db.execute(off, (86400, 86400)).fetchone()[0] == 0, "the daily partitions are read at UTC midnights"
-    for (part,) in db.execute("SELECT partition::text FROM outbox.partitions"
-                              " WHERE parent = 'outbox.events'::regclass AND NOT is_default").fetchall():
-        db.execute(f"DROP TABLE {part}")   # hourly ones from here on
-    db.execute("UPDATE outbox.partition_config SET width = '1 hour', ahead = 30 WHERE parent = 'outbox.events'::regclass")
+    repartition(db, "outbox.events", "1 hour", 30)
     db.execute("SELECT * FROM outbox.maintain()")
     assert db.execute(off, (3600, 3600)).fetchone()[0] == 0
     assert db.execute("""SELECT count(*) FROM outbox.partitions
                           WHERE parent = 'outbox.events'::regclass AND upper - lower = interval '1 hour'""").fetchone()[0] >= 20
     db.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
     assert db.execute("SELECT count(*) FROM outbox.events_default").fetchone()[0] == 0
+
+
+def gaps(db, parent: str = "outbox.events") -> list:
+    """The ranges from now's partition to the furthest one ahead that no partition covers."""
+    return db.execute("""
+        SELECT array_agg(g::text) FROM unnest(
+            (SELECT tstzmultirange(tstzrange(min(lower), max(upper))) - range_agg(tstzrange(lower, upper))
+               FROM outbox.partitions
+              WHERE parent = %s::regclass AND NOT is_default AND upper > now())) AS g""",
+                      (parent,)).fetchone()[0] or []
+
+
+@pytest.mark.parametrize("parent", ["outbox.events", "inbox.messages"])
+def test_a_wider_width_leaves_no_gap_between_the_partitions_made_before(db, parent):
+    """Hourly partitions, then daily: the day's partition was clipped to the first gap before
+    the hourly ones, and the hours after them were never covered (rows of that time stayed in
+    the default partition, and every run tried again)."""
+    repartition(db, parent, "1 hour", 3)
+    maintain(db)
+    db.execute("UPDATE outbox.partition_config SET width = '1 day', ahead = 2 WHERE parent = %s::regclass", (parent,))
+    maintain(db)
+    assert gaps(db, parent) == []
+    assert [a for a, *_ in maintain(db) if a in ("created", "moved")] == [], "nothing left to make"
+    if parent == "outbox.events":
+        insert_event_at(db, "later today", "5 hours")
+        assert partition_of(db, "later today") != "outbox.events_default"
+
+
+def test_partitions_of_a_width_under_a_second_get_names_of_their_own(db):
+    repartition(db, "outbox.events", "250 milliseconds", 8)
+    made = [r for a, r, _ in maintain(db) if a == "created"]
+    assert len(made) >= 8 and len(set(made)) == len(made)
+
+
+def test_a_range_whose_name_a_detached_partition_keeps_gets_another(db):
+    """With detach = true, a partition past retention stays as a table of its own under its
+    name; a partition made again for that range (an event of that time in the default
+    partition) failed on every run with 42P07."""
+    db.execute("UPDATE outbox.partition_config SET detach = true WHERE parent = 'outbox.events'::regclass")
+    db.execute("SELECT outbox.create_consumer('c')")
+    insert_event_at(db, "old", "-10 days")
+    maintain(db)
+    part = partition_of(db, "old")
+    Relay(db, "c").drain()
+    assert ("detached", part) in [(a, r) for a, r, _ in maintain(db)]
+    insert_event_at(db, "old again", "-10 days")
+    forget_seals(db)
+    moved = [r for a, r, _ in maintain(db) if a == "moved"]
+    assert len(moved) == 1 and moved[0] != part and partition_of(db, "old again") == moved[0]
+    assert [e.aggregate_id for e in Relay(db, "c").drain()] == ["old again"]
