@@ -136,6 +136,8 @@ impl Producer {
         let topics: Vec<String> = events.iter().map(|e| kafka_topic(config, e)).collect();
         // per key, the index of its last record queued in this batch
         let mut last: HashMap<&str, usize> = HashMap::new();
+        // records an earlier batch's copy delivered, and when (not during this batch)
+        let mut delivered_before: Vec<Option<Instant>> = vec![None; events.len()];
         for (i, event) in events.iter().enumerate() {
             let key = event.aggregate_id.as_str();
             let topic = &topics[i];
@@ -161,7 +163,10 @@ impl Producer {
                 false => Some(held_back()),
                 true => match earlier_copy(&live, &event.id, &batch, i) {
                     EarlierCopy::Queued => None,
-                    EarlierCopy::Delivered => Some(Verdict::Delivered),
+                    EarlierCopy::Delivered(at) => {
+                        delivered_before[i] = Some(at);
+                        Some(Verdict::Delivered)
+                    }
                     EarlierCopy::NotQueued => {
                         produce(&live, config, event, topic, &batch, i, deadline).err()
                     }
@@ -179,12 +184,9 @@ impl Producer {
             events,
             &batch,
             &refused_alone,
+            &delivered_before,
             started,
         );
-        // a refusal reported since (too late to be resent alone) proves nothing of its record
-        for i in batch.refused_for_content() {
-            batch.replace(i, not_sent_alone("refused after its batch's resends"));
-        }
         if batch.nothing_through() {
             self.retire(&live);
         }
@@ -275,6 +277,7 @@ impl Producer {
         events: &[&Event],
         batch: &Batch,
         refused_alone: &[usize],
+        delivered_before: &[Option<Instant>],
         started: Instant,
     ) {
         let mut evidence = self.evidence.lock().unwrap_or_else(|e| e.into_inner());
@@ -284,7 +287,8 @@ impl Producer {
         let now = Instant::now();
         for (j, topic) in topics.iter().enumerate() {
             if batch.verdict(j) == Some(Verdict::Delivered) {
-                evidence.took(topic, now);
+                // (a copy delivered before this batch proves nothing of a refusal in it)
+                evidence.took(topic, delivered_before[j].unwrap_or(now));
             }
         }
         for &i in refused_alone {
@@ -543,11 +547,13 @@ impl Batch {
             .collect()
     }
 
-    /// Record i's verdict is `verdict` instead of the one reported.
+    /// Record i's verdict is `verdict` instead of the one reported (and a refusal for its
+    /// content is judged by it).
     fn replace(&self, i: usize, verdict: Verdict) {
         let mut verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(slot) = verdicts.of.get_mut(i) {
             *slot = Some(verdict);
+            verdicts.refused[i] = false;
         }
     }
 
@@ -616,19 +622,22 @@ impl Batch {
     /// on its own until then: what it could not deliver is the cluster's doing).
     /// `client_said`: the producer's last error, if any (e.g. a failed TLS handshake).
     fn outcome(&self, client_said: Option<String>) -> Outcome {
-        let verdicts = &self.verdicts.lock().unwrap_or_else(|e| e.into_inner()).of;
+        let verdicts = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
         let error = match client_said {
             Some(said) => format!("Kafka: no delivery report within request_timeout: {said}"),
             None => "Kafka: no delivery report within request_timeout (broker unreachable?)".into(),
         };
         Outcome::Events(
-            verdicts
-                .iter()
-                .map(|v| {
-                    v.clone().unwrap_or(Verdict::Unsent {
+            (verdicts.of.iter().zip(&verdicts.refused))
+                .map(|(v, &refused)| match (refused, v) {
+                    // refused for its content after the batch's resends alone, up to the
+                    // moment its outcome is taken: it proves nothing of its record
+                    (true, _) => not_sent_alone("refused after its batch's resends"),
+                    (false, Some(v)) => v.clone(),
+                    (false, None) => Verdict::Unsent {
                         error: error.clone(),
                         retry_after: None,
-                    })
+                    },
                 })
                 .collect(),
         )
@@ -677,8 +686,8 @@ enum EarlierCopy {
     NotQueued,
     /// Still queued: its report is this record's.
     Queued,
-    /// Delivered since: so is this record.
-    Delivered,
+    /// Delivered since, at this time: so is this record.
+    Delivered(Instant),
 }
 
 /// A record's place in a batch: the batch and the record's index in it.
@@ -696,9 +705,9 @@ impl Copies {
                 waiting.push(place);
                 EarlierCopy::Queued
             }
-            Some(Copy::DeliveredLate(_)) => {
+            Some(&mut Copy::DeliveredLate(at)) => {
                 self.by_id.remove(id);
-                EarlierCopy::Delivered
+                EarlierCopy::Delivered(at)
             }
             None => EarlierCopy::NotQueued,
         }
@@ -1010,10 +1019,15 @@ mod tests {
     fn a_record_delivered_after_its_batch_went_back_is_taken_for_delivered_once() {
         let (mut copies, id) = (Copies::default(), Arc::from("e1"));
         let first = queued_by_a_batch_gone_back(&mut copies, &id);
+        let before = Instant::now();
         assert!(copies.reported(&id, (first, 0), true).is_empty());
         let next = Arc::new(Batch::new(1));
+        std::thread::sleep(Duration::from_millis(5));
         let earlier = copies.earlier("e1", (Arc::clone(&next), 0));
-        assert!(matches!(earlier, EarlierCopy::Delivered));
+        // with the time it was delivered: not taken as its topic's taking a record now
+        assert!(
+            matches!(earlier, EarlierCopy::Delivered(at) if at >= before && at.elapsed() >= Duration::from_millis(5))
+        );
         let again = copies.earlier("e1", (next, 0));
         assert!(matches!(again, EarlierCopy::NotQueued));
     }
@@ -1025,6 +1039,32 @@ mod tests {
         assert!(copies.reported(&id, (first, 0), false).is_empty());
         let earlier = copies.earlier("e1", (Arc::new(Batch::new(1)), 0));
         assert!(matches!(earlier, EarlierCopy::NotQueued));
+    }
+
+    #[test]
+    fn a_refusal_for_content_reported_after_the_resends_alone_is_never_judged() {
+        let batch = Batch::new(2);
+        batch.report(0, Verdict::Delivered);
+        let refused = || Verdict::Reject {
+            error: "Kafka: Broker: Message size too large".into(),
+        };
+        // its batch's resends done (send_refused_alone), the refusal comes in
+        batch.report_refused(1, refused());
+        let Outcome::Events(verdicts) = batch.outcome(None) else {
+            panic!("a batch's outcome is its events' verdicts")
+        };
+        assert_eq!(verdicts[0], Verdict::Delivered);
+        assert!(
+            matches!(&verdicts[1], Verdict::Unsent { error, .. } if error.contains("not sent alone"))
+        );
+        // a verdict of ours on a refused record (held back behind its key) stands
+        let held = Batch::new(1);
+        held.report_refused(0, refused());
+        held.replace(0, held_back());
+        let Outcome::Events(verdicts) = held.outcome(None) else {
+            panic!("a batch's outcome is its events' verdicts")
+        };
+        assert_eq!(verdicts[0], Verdict::HeldBack);
     }
 
     #[test]
