@@ -259,6 +259,45 @@ def test_one_topic_refusing_every_record_as_too_large_loses_none_while_the_other
         front.close()
 
 
+@pytest.mark.parametrize("kind,answer", [("kafka_rest_v2", (500, 50001)), ("kafka_rest_v3", (500, 50001)),
+                                         ("kafka_rest_v2", (408, 40801))])
+def test_a_proxy_failing_whole_requests_to_one_topic_counts_nothing_while_the_others_deliver(
+        conn, new_sink, kafka, topic, kind, answer):
+    """The proxy answers every request to one topic with a 500 (its producer failing) or a 408
+    (a wait on the brokers timed out), with no report of any record, while the other topic's
+    requests deliver: a request-level answer of the proxy says nothing of its records. (Each
+    was a retry on a sink shown healthy: counted, then dead-lettered at max_attempts.)"""
+    failing = f"rest-failing{next(_later)}"
+    kafka.create_topic(failing, partitions=1)
+    front = KafkaRestFront(kafka.bootstrap(), {topic, failing})
+    front.faults.whole = lambda t: answer if t == failing else None
+    try:
+        sink = new_sink(kind, front.url, cluster_id=KafkaRestFront.CLUSTER, max_attempts=2,
+                        backoff_base="100 ms", backoff_max="200 ms")
+        emit = "SELECT outbox.emit('order', %s, 'e', %s::jsonb, NULL, %s)"
+        held = defaultdict(list)
+        for i in range(3):
+            for k in range(3):
+                payload = {"key": f"x{k}", "i": i}
+                conn.execute(emit, (f"x{k}", json.dumps(payload), failing))
+                held[f"x{k}"].append(payload)
+        for n in range(15):                             # the other topic goes on taking records
+            conn.execute(emit, (f"z{n}", json.dumps({"z": n}), topic))
+            time.sleep(0.2)
+        kafka.read(topic, expect=15, timeout=60)
+        row = lambda: conn.execute("SELECT undelivered, dead_letters, coalesce(failed_total, 0) "   # noqa: E731
+                                   "FROM outbox.status WHERE consumer = %s", (sink,)).fetchone()
+        wait_for(lambda: row()[0] == 9, timeout=10)     # the last batch of the other topic settled
+        time.sleep(2.5)                                 # the worker writes its failure counts every 2 s
+        assert row() == (9, 0, 0), "waiting, nothing counted"
+        front.faults.whole = lambda t: None
+        check_partitions(kafka.read(failing, expect=9, timeout=60), held)
+        assert conn.execute("SELECT count(*) FROM outbox.dead_letters WHERE consumer = %s",
+                            (sink,)).fetchone()[0] == 0
+    finally:
+        front.close()
+
+
 def test_an_unknown_topic_suspends_the_sink_dead_letters_nothing_and_resumes_once_made(conn, new_sink, kafka, front):
     sink = new_sink("kafka_rest_v2", front.url, max_attempts=2)
     missing = f"rest-later{next(_later)}"

@@ -330,6 +330,50 @@ def test_an_expired_certificate_then_a_renewed_one(conn, new_sink, tmp_path):
         receiver.close()
 
 
+def test_a_deploy_refusing_everything_dead_letters_nothing_of_a_batch_out_when_it_began(conn, new_sink):
+    """Two batches out at once: the receiver takes the one sent second, then a deploy answers
+    400 to everything for two seconds, the first batch's requests included. That the second
+    batch, though it started later, was delivered says nothing of the first's events: none is
+    dead-lettered or counted, and once the receiver is fixed all arrive in order. (They were
+    dead-lettered: a request started after theirs that delivered showed the sink healthy.)"""
+    held, second_answered = threading.Event(), threading.Event()
+    state = {"requests": 0, "flip": None}
+    lock = threading.Lock()
+
+    def fault(_request):
+        with lock:
+            state["requests"] += 1
+            n, flip = state["requests"], state["flip"]
+        if n == 1:                      # the first batch's request, held until the second is in
+            held.set()
+            second_answered.wait(10)
+            time.sleep(0.5)             # its success judged first
+            with lock:
+                state["flip"] = time.monotonic()
+            return 400, {}, b"unknown schema version"
+        if flip is None:
+            second_answered.set()
+            return None
+        return (400, {}, b"unknown schema version") if time.monotonic() - flip < 2 else None
+    peer = Misbehaving(fault)
+    try:
+        sink = new_sink("webhook", peer.receiver.url, request_timeout="5 s", **SHORT_POLICY)
+        emitted = {}
+        with conn.transaction():        # one batch of two keys (one key alone is a poisoned key)
+            for k in keys_in_shard(conn, 3, 2):
+                emitted[k] = emit(conn, k, 2)
+        assert held.wait(10), "the first batch went out"
+        for k in keys_in_shard(conn, 9, 1):
+            emitted[k] = emit(conn, k, 1)
+        wait_for(lambda: len(peer.receiver.accepted_events()) >= 5, timeout=30)
+        time.sleep(2.5)                    # the worker writes its failure counts every 2 s
+        after = status(conn, sink)
+        assert (after["dead_letters"], after["failed_total"] or 0) == (0, 0), after
+        check_delivery(emitted, peer.receiver.accepted_events())
+    finally:
+        peer.receiver.close()
+
+
 def test_a_key_that_fails_among_healthy_ones_is_still_dead_lettered(conn, new_sink):
     """Only key "bad" fails; other keys keep flowing (the evidence that the sink is healthy):
     exactly bad's events are dead-lettered, after max_attempts, in order."""

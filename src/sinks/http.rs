@@ -249,16 +249,16 @@ fn exchange(
     // connection is then closed, not reused)
     let reader = response.body_mut().with_config().limit(u64::MAX).reader();
     let read = reader.take(keep).read_to_end(&mut kept);
+    let mut body = String::from_utf8_lossy(&kept).into_owned();
     if let (Err(e), false) = (read, (200..300).contains(&status)) {
-        return Err(NoReply {
-            error: format!("HTTP {status}, reading the reply: {e}"),
-            unreached: false,
-        });
+        // judged by its status all the same: a 429 or a 401 cut short (a load balancer
+        // resetting under load) is still throttling or a credential, never the events'
+        body.push_str(&format!(" [reply cut short: {e}]"));
     }
     Ok(Reply {
         status,
         retry_after,
-        body: String::from_utf8_lossy(&kept).into_owned(),
+        body,
     })
 }
 

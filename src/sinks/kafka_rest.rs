@@ -348,8 +348,16 @@ pub fn judge_reply(kind: Kind, reply: &Reply, what: &str, n: usize) -> Outcome {
 /// A proxy found down, or failing a request as a whole (no answer, a gateway's 502, a reply
 /// not understood), is never the records' doing: it waits on the brokers (a v2 proxy answers
 /// only once every record is acknowledged, so a partition short of in-sync replicas times the
-/// request out), and its records wait, uncounted, whatever the sink delivers meanwhile.
+/// request out), and its records wait, uncounted, whatever the sink delivers meanwhile. A 500
+/// or a 408 with no report of any record (the proxy's producer failing for the request's
+/// topic, its wait on the brokers timing out) leaves the request's records unsent: uncounted,
+/// and the batch's other topics go on. (A 4xx refusal of a whole request is split down to the
+/// record it refuses: refused_whole.)
 fn proxy_failure(outcome: Outcome) -> Outcome {
+    let unsent = |v: Verdict| match v {
+        Verdict::Retry { error, retry_after } => Verdict::Unsent { error, retry_after },
+        other => other,
+    };
     match outcome {
         Outcome::SinkDown {
             error, retry_after, ..
@@ -358,7 +366,7 @@ fn proxy_failure(outcome: Outcome) -> Outcome {
             retry_after,
             blameable: false,
         },
-        outcome => outcome,
+        Outcome::Events(verdicts) => Outcome::Events(verdicts.into_iter().map(unsent).collect()),
     }
 }
 
@@ -600,17 +608,20 @@ mod tests {
 
     #[test]
     fn a_proxy_failing_a_whole_request_is_never_blamed_on_its_records() {
-        let unblameable = |o: Outcome| {
-            matches!(
-                o,
-                Outcome::SinkDown {
-                    blameable: false,
-                    ..
-                }
-            )
+        let unblameable = |o: Outcome| match o {
+            Outcome::SinkDown { blameable, .. } => !blameable,
+            Outcome::Events(v) => v.iter().all(|v| matches!(v, Verdict::Unsent { .. })),
         };
         for kind in [Kind::KafkaRestV2, Kind::KafkaRestV3] {
-            for (status, body) in [(200, "<html>"), (502, ""), (504, "gateway")] {
+            // (a 500 or a 408 with no record's report: the proxy's producer or its wait on
+            // the brokers; they were retries, counted on a sink that delivered elsewhere)
+            for (status, body) in [
+                (200, "<html>"),
+                (502, ""),
+                (504, "gateway"),
+                (500, "oops"),
+                (408, ""),
+            ] {
                 let outcome = judge_reply(kind, &reply(status, body), "k", 2);
                 assert!(unblameable(outcome.clone()), "{status}: {outcome:?}");
             }
@@ -751,6 +762,6 @@ mod tests {
         // a request-level answer (a plain 500) marks no record: nothing is sent again
         let whole = judge_reply(Kind::KafkaRestV2, &reply(500, "oops"), "k", 2);
         let judged = resend_refused(whole, &[], &refs[..2], || false, |_| unreachable!());
-        assert_eq!(kinds(judged), ["retry", "retry"]);
+        assert_eq!(kinds(judged), ["unsent", "unsent"]);
     }
 }

@@ -7,7 +7,6 @@
 //! - some request of the same batch was delivered (a partial success; but failures after the
 //!   batch's last delivery, of two keys or more, are not counted: a receiver that starts
 //!   refusing everything mid-batch looks just so), or
-//! - a request of the sink that started after the failed one delivered something, or
 //! - the sink delivered something since each failed event last failed as about itself (its
 //!   earlier failure was remembered here; an event only throttled before, or one failing for
 //!   the first time beside it, shows nothing; a batch with nothing to count is settled
@@ -20,6 +19,13 @@
 //!   so on an idle topic it waits, uncounted.) (One key's events failing alone within 30 s of a
 //!   success is all that tells the two apart; a sink with a single key in flight can so have
 //!   its attempts counted in the first 30 s of an outage.)
+//!
+//! A request of the sink that started after the failed batch and delivered something shows the
+//! sink takes other events, but not that the failure is the events': the receiver may have
+//! begun failing (a deploy answering 400 to everything) after that request was answered and
+//! before the batch's was. So the batch is settled with its failures uncounted (`Unsent`: the
+//! sink is not suspended, its keys wait in order) and remembered: failing so again after a
+//! success, they are the events'.
 //!
 //! An event found unsendable before it reached the sink (`Verdict::Invalid`: a topic name
 //! Kafka refuses, a record over the client's own size limit) is dead-lettered whatever the
@@ -104,6 +110,19 @@ pub enum Judgement {
     /// Give it back unattempted, to be claimed again at once: the suspension holds the claims
     /// back, not the shard, so that a fixed sink row (or resume_sink) delivers at once.
     GiveBack { error: String },
+}
+
+/// What shows a failed batch's failures to be its events' (Health::evidence).
+#[derive(Debug, PartialEq)]
+enum Evidence {
+    /// Theirs: each failed before, answered as about itself, and the sink delivered since (or
+    /// the failure is certain, or a lone key's).
+    TheirOwn,
+    /// Only a request started after the batch's that delivered: the sink takes other events,
+    /// but may have begun failing since that request was answered. Not counted.
+    OthersDelivered,
+    /// Nothing: as far as anyone knows, the sink is failing.
+    Nothing,
 }
 
 /// What the worker may claim for the sink now.
@@ -223,21 +242,23 @@ impl Health {
             // and only for a failure they may have caused (blamed); the others (heads to go
             // alone, routed away) keep their verdicts
             let is_down = |v: &Verdict| matches!(v, Verdict::Down { .. });
-            let carried: Vec<&str> = (batch.events.iter().zip(&verdicts))
-                .filter(|(_, v)| is_down(v))
-                .map(|(e, _)| e.id.as_str())
-                .collect();
-            let healthy = self.shown_healthy(started, &carried, &carried);
-            // remembered with them: the batch's events the sink answered about before it was
-            // found down (a webhook's single events, earlier Kafka REST rounds)
+            // with them, the batch's events the sink answered about before it was found down
+            // (a webhook's single events, earlier Kafka REST rounds): theirs only if each is
             let answered: Vec<&crate::sinks::Event> = (batch.events.iter().zip(&verdicts))
                 .filter(|(_, v)| is_down(v) || about_the_event(v))
                 .map(|(e, _)| e)
                 .collect();
             let answered_ids: Vec<&str> = answered.iter().map(|e| e.id.as_str()).collect();
+            let evidence = self.evidence(started, &answered_ids, &answered_ids);
             self.remember(answered_ids.iter().map(|id| (*id, true)), now);
-            if healthy {
-                return Judgement::Settle(verdicts.into_iter().map(blamed).collect());
+            match evidence {
+                Evidence::TheirOwn => {
+                    return Judgement::Settle(verdicts.into_iter().map(blamed).collect())
+                }
+                Evidence::OthersDelivered => {
+                    return Judgement::Settle(verdicts.into_iter().map(uncounted).collect())
+                }
+                Evidence::Nothing => {}
             }
             self.note_failing(answered.iter().map(|e| e.aggregate_id.as_str()));
             return self.give_back(error, retry_after, was_probe, now);
@@ -265,17 +286,22 @@ impl Health {
         let certain = said
             .iter()
             .all(|(_, v)| matches!(v, Verdict::Invalid { .. }));
-        let healthy = certain
-            || self.shown_healthy(started, &failed, &about)
-            || self.lone_key_failing(&said, now);
+        let evidence = match certain || self.lone_key_failing(&said, now) {
+            true => Evidence::TheirOwn,
+            false => self.evidence(started, &failed, &about),
+        };
         self.remember(failures(batch, &verdicts), now);
         // blamed or not, a key the sink answered as about its events is remembered until the
         // next success: a second key failing alone then is not "a poisoned key" but a sink
         // failing every request
         let about_events = said.iter().filter(|(_, v)| about_the_event(v));
         self.note_failing(about_events.map(|(e, _)| e.aggregate_id.as_str()));
-        if healthy {
-            return Judgement::Settle(verdicts);
+        match evidence {
+            Evidence::TheirOwn => return Judgement::Settle(verdicts),
+            Evidence::OthersDelivered => {
+                return Judgement::Settle(verdicts.into_iter().map(uncounted).collect())
+            }
+            Evidence::Nothing => {}
         }
         if was_probe && self.lone_probe && one_key_about_it(&said) {
             // The probe could test nothing but this key (it was all the sink had to send, and
@@ -311,31 +337,33 @@ impl Health {
         }
     }
 
-    /// Whether a request started after `started` delivered, or the sink delivered since the
-    /// batch's failed events last failed. A failure to be counted (`about`: answered as about
-    /// its event) is the event's only if every such failure of the batch is of an event the
-    /// sink answered so before, with a success since: one failing for the first time may be
-    /// the sink failing now, with the others caught in it, and an event only throttled before
-    /// proves nothing. With nothing to count (all unsent), any event of the batch failed before
-    /// with a success since keeps the sink from being suspended, as the waiting is the same.
-    fn shown_healthy(&self, started: Instant, failed: &[&str], about: &[&str]) -> bool {
+    /// Whether the sink delivered since the batch's failed events last failed, or only a
+    /// request started after `started` delivered. A failure to be counted (`about`: answered
+    /// as about its event) is the event's only if every such failure of the batch is of an
+    /// event the sink answered so before, with a success since: one failing for the first
+    /// time may be the sink failing now, with the others caught in it, and an event only
+    /// throttled before proves nothing. With nothing to count (all unsent), any event of the
+    /// batch failed before with a success since keeps the sink from being suspended, as the
+    /// waiting is the same.
+    fn evidence(&self, started: Instant, failed: &[&str], about: &[&str]) -> Evidence {
         let Some(success) = self.last_success_start else {
-            return false;
+            return Evidence::Nothing;
         };
-        if matches!(self.state, State::Suspended(_)) {
-            // failing since: a success before the suspension shows nothing about now (a probe
-            // that takes a head failed before an outage must not count it)
-            return success > started;
-        }
         let since = |id: &&str, about_only: bool| {
             (self.suspects.get(*id)).is_some_and(|&(at, was)| success > at && (was || !about_only))
         };
-        success > started
-            || if about.is_empty() {
-                failed.iter().any(|id| since(id, false))
-            } else {
-                about.iter().all(|id| since(id, true))
-            }
+        // failing since a suspension: a success before it shows nothing about now (a probe
+        // that takes a head failed before an outage must not count it)
+        let theirs = !matches!(self.state, State::Suspended(_))
+            && match about.is_empty() {
+                true => failed.iter().any(|id| since(id, false)),
+                false => about.iter().all(|id| since(id, true)),
+            };
+        match (theirs, success > started) {
+            (true, _) => Evidence::TheirOwn,
+            (false, true) => Evidence::OthersDelivered,
+            (false, false) => Evidence::Nothing,
+        }
     }
 
     /// Remembers failed events (suspects), each with whether the sink answered as about it.
@@ -472,15 +500,24 @@ fn unproven_tail_unsent(batch: &Batch, verdicts: Vec<Verdict>) -> Vec<Verdict> {
     if !keys.any(|k| Some(k) != first) {
         return verdicts; // one key at most: a poisoned key is the key's
     }
-    let not_sent = |(i, v): (usize, Verdict)| match v {
-        Verdict::Retry { error, retry_after } if i > last => Verdict::Unsent { error, retry_after },
-        Verdict::Reject { error } if i > last => Verdict::Unsent {
+    let not_sent = |(i, v): (usize, Verdict)| match i > last {
+        true => uncounted(v),
+        false => v,
+    };
+    verdicts.into_iter().enumerate().map(not_sent).collect()
+}
+
+/// A failure the sink answered (a retry, a refusal, found down) as not sent: nothing counted,
+/// its key waits; the error stays its own. Any other verdict as it is.
+fn uncounted(v: Verdict) -> Verdict {
+    match v {
+        Verdict::Retry { error, retry_after } => Verdict::Unsent { error, retry_after },
+        Verdict::Reject { error } => Verdict::Unsent {
             error,
             retry_after: None,
         },
-        other => other,
-    };
-    verdicts.into_iter().enumerate().map(not_sent).collect()
+        other => other.unsent_if_down().unwrap_or(other),
+    }
 }
 
 /// The verdicts with every failure turned into "not sent": nothing is counted.
@@ -596,18 +633,82 @@ mod tests {
         );
     }
 
+    fn settled_uncounted(j: &Judgement) -> bool {
+        matches!(j, Judgement::Settle(v) if v.iter().all(|v| matches!(v, Verdict::Unsent { .. })))
+    }
+
     #[test]
-    fn a_failure_beside_a_later_success_is_the_events() {
+    fn a_failure_beside_a_later_success_waits_uncounted_then_is_the_events_when_it_fails_again() {
         let mut h = Health::default();
         let poisoned_start = Instant::now();
         let later = poisoned_start + Duration::from_millis(1);
-        let ok = Outcome::all(1, Verdict::Delivered);
+        let ok = || Outcome::all(1, Verdict::Delivered);
         assert!(matches!(
-            h.judge(&batch(1, &["x"]), ok, later),
+            h.judge(&batch(1, &["x"]), ok(), later),
             Judgement::Settle(_)
         ));
-        let j = h.judge(&batch(2, &["p"]), failed(1), poisoned_start);
-        assert!(matches!(j, Judgement::Settle(_)), "{j:?}");
+        let j = h.judge(&batch(2, &["p", "q"]), failed(2), poisoned_start);
+        assert!(
+            settled_uncounted(&j),
+            "the sink takes other events, not suspended; nothing counted yet: {j:?}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+        h.judge(&batch(3, &["y"]), ok(), Instant::now());
+        let j = h.judge(&batch(2, &["p", "q"]), failed(2), Instant::now());
+        assert!(
+            matches!(&j, Judgement::Settle(v) if matches!(v[0], Verdict::Retry { .. })),
+            "failed so again after a success: theirs: {j:?}"
+        );
+    }
+
+    #[test]
+    fn a_receiver_refusing_everything_from_a_deploy_on_blames_no_batch_out_when_it_began() {
+        // batch A goes out, then B; the receiver delivers B, then a deploy answers 400 to all,
+        // A's requests too: B's success, though it started after A, says nothing of A's events
+        let mut h = Health::default();
+        let a_start = Instant::now();
+        h.judge(
+            &batch(2, &["y"]),
+            Outcome::all(1, Verdict::Delivered),
+            a_start + Duration::from_millis(1),
+        );
+        let j = h.judge(&batch(1, &["a", "b"]), refused(2), a_start);
+        assert!(settled_uncounted(&j), "no dead letter: {j:?}");
+        std::thread::sleep(Duration::from_millis(2));
+        let j = h.judge(&batch(3, &["c", "d"]), refused(2), Instant::now());
+        assert!(gave_back(&j), "then the sink is suspended: {j:?}");
+    }
+
+    #[test]
+    fn a_first_refusal_before_a_request_that_found_the_sink_down_is_not_counted_on_its_evidence() {
+        // b failed before, with a success since; in this batch a is refused (its first
+        // failure), then b's request finds the sink down: b's past says nothing of a
+        let mut h = Health::default();
+        let no = || refused(1).into_verdicts(1).remove(0);
+        h.judge(
+            &batch(1, &["x", "b"]),
+            Outcome::Events(vec![Verdict::Delivered, no()]),
+            Instant::now(),
+        );
+        std::thread::sleep(Duration::from_millis(2));
+        h.judge(
+            &batch(2, &["y"]),
+            Outcome::all(1, Verdict::Delivered),
+            Instant::now(),
+        );
+        let started = Instant::now();
+        let was_down = Verdict::Down {
+            error: "HTTP 502".into(),
+            retry_after: None,
+            blameable: true,
+        };
+        let not_carried = Verdict::Unsent {
+            error: "HTTP 502".into(),
+            retry_after: None,
+        };
+        let outcome = Outcome::Events(vec![no(), was_down, not_carried]);
+        let j = h.judge(&batch(3, &["a", "b", "c"]), outcome, started);
+        assert!(gave_back(&j), "a is not dead-lettered: {j:?}");
     }
 
     #[test]
@@ -635,12 +736,22 @@ mod tests {
     #[test]
     fn a_sink_found_down_on_a_healthy_sink_blames_only_the_events_the_request_carried() {
         let mut h = Health::default();
-        let t0 = Instant::now();
+        // a failed before as about itself, and the sink delivered since
         h.judge(
-            &batch(1, &["x"]),
-            Outcome::all(1, Verdict::Delivered),
-            t0 + Duration::from_millis(1),
+            &batch(1, &["x", "a"]),
+            Outcome::Events(vec![
+                Verdict::Delivered,
+                refused(1).into_verdicts(1).remove(0),
+            ]),
+            Instant::now(),
         );
+        std::thread::sleep(Duration::from_millis(2));
+        h.judge(
+            &batch(3, &["y"]),
+            Outcome::all(1, Verdict::Delivered),
+            Instant::now(),
+        );
+        let t0 = Instant::now();
         let was_down = Verdict::Down {
             error: "HTTP 502".into(),
             retry_after: None,

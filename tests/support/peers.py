@@ -253,6 +253,8 @@ class FrontFaults:
     fail: Callable[[str, bytes, bytes], int | None] = lambda topic, key, value: None
     variant: str = "confluent"
     max_records: int = 0            # more records in one request: 413 (0: no limit)
+    # whole(topic) -> (HTTP status, error code) to fail a whole request to the topic, or None
+    whole: Callable[[str], tuple[int, int] | None] = lambda topic: None
     calls: int = 0
     produced: list = field(default_factory=list)
     refused: list = field(default_factory=list)   # (topic, key, code) of the producer's refusals
@@ -281,6 +283,9 @@ class KafkaRestFront(_Server):
         self.faults.calls += 1
         parts = request.path.strip("/").split("/")
         with self.lock:
+            topic = parts[1] if len(parts) == 2 else parts[4] if len(parts) == 6 else None
+            if topic and (failed := self.faults.whole(topic)):
+                return self.error(*failed, "injected failure of the whole request")
             if parts[0] == "topics" and len(parts) == 2:
                 return self.v2(parts[1], request)
             if parts[:2] == ["v3", "clusters"] and len(parts) == 6 and parts[5] == "records":
