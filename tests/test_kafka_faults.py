@@ -175,6 +175,30 @@ def test_a_topic_the_acls_deny_suspends_the_sink_until_they_allow_it(conn, new_s
     assert took < 3, f"delivered {took:.1f} s after the ACL was dropped"   # the next probe: 2 s away at most
 
 
+def test_a_topic_the_acls_deny_holds_only_its_keys_while_the_others_deliver(conn, new_sink, kafka, topic):
+    """A sink sends to two topics and the ACLs deny one: the other's records arrive, the denied
+    topic's wait (none dead-lettered) and arrive in order once the ACL is dropped."""
+    denied = f"denied{next(_topics)}"
+    kafka.create_topic(denied, partitions=PARTITIONS)
+    acl = kafka.deny_write(denied)
+    try:
+        sink = kafka_sink(new_sink, kafka, "SASL_PLAINTEXT")
+        held = emit_keys(conn, denied, keys=3, per_key=3, prefix="x")
+        flowing = emit_keys(conn, topic, keys=3, per_key=3, prefix="y")
+        arrived, _ = first_arrivals(kafka.read(topic, expect=9, timeout=30))
+        assert arrived == flowing
+        more = emit_keys(conn, topic, keys=3, per_key=2, prefix="z")
+        arrived, _ = first_arrivals(kafka.read(topic, expect=15, timeout=30))
+        assert {k: v for k, v in arrived.items() if k.startswith("z")} == more, "and it goes on delivering"
+        time.sleep(3)
+        assert (status(conn, sink)["dead_letters"], status(conn, sink)["undelivered"]) == (0, 9)
+    finally:
+        kafka.allow(acl)
+    delivered_all(conn, sink, timeout=30)
+    arrived, _ = first_arrivals(kafka.read(denied, expect=9, timeout=60))
+    assert arrived == held and status(conn, sink)["dead_letters"] == 0
+
+
 def test_a_topic_size_limit_lowered_by_mistake_suspends_the_sink_until_raised(conn, new_sink, kafka):
     """A topic's max.message.bytes set far too low refuses every record as too large: the
     brokers say it is about the records, but as no record goes through it is the sink's
