@@ -408,6 +408,7 @@ DECLARE
     catching_up boolean;  -- and all catching up?
     held        boolean := false;  -- such a page left to read once their queues are out
     share       int;  -- of batch_size, each key catching up gets (as _due_heads gives it)
+    windows     int := 0;  -- windows this call opened
     since     timestamptz;
     until     timestamptz;
 BEGIN
@@ -415,6 +416,7 @@ BEGIN
         fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
         IF cur.hi_snap IS NULL THEN
             cur := outbox_internal._open_window(cur, seq_mark, x);
+            windows := windows + 1;
         END IF;
         since := outbox_internal._window_since(cur, outbox_internal._newest_seal());
         until := outbox_internal._reach();  -- both after the window's snapshot: see _claim
@@ -467,6 +469,12 @@ BEGIN
         END IF;
         PERFORM outbox_internal._queue_parked(c.id, queued);
         EXIT WHEN cardinality(mine) > 0;
+        -- A second window this call opened and still only parked keys' events: enough for one
+        -- call. (A key parked for long, its producer committing faster than a window is read,
+        -- kept the claim copying its stream into its queue for as long as the stream lasted,
+        -- the shard locked.) Heads to hand out go with this page; else the shard moves past
+        -- it below, and the next claim goes on.
+        EXIT WHEN windows > 1 AND cardinality(heads) > 0;
         IF cardinality(page) > 0 THEN
             -- record that the shard moved past the page; go on to the next, unless its keys
             -- are all due at their first retry or catching up: their heads make this batch,
@@ -477,6 +485,7 @@ BEGIN
             cur := outbox_internal._advance(cur, page[cardinality(page)].seq, exhausted);
             PERFORM outbox_internal._append(cur);
             EXIT WHEN all_due AND NOT exhausted;
+            EXIT WHEN windows > 1;  -- nothing to hand out: the next claim goes on from here
         ELSIF fresh THEN
             EXIT;  -- nothing new since the last window
         ELSE

@@ -343,3 +343,135 @@ BEGIN
     RETURN step;
 END
 $$;
+
+-- (a claim opens two windows at most: a key parked for long, streaming in, kept it copying)
+CREATE OR REPLACE FUNCTION outbox_internal._claim_parked(c outbox.consumers, cur outbox._cursor_log,
+                                                batch_size int, lease interval, owner text,
+                                                seq_mark bigint, x xid8)
+RETURNS SETOF outbox.claimed
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    stale     boolean := cur.hi_snap IS NOT NULL;  -- as in _claim
+    keys      jsonb := (SELECT CASE WHEN count(*) <= batch_size  -- see below
+                                     THEN coalesce(jsonb_object_agg(t.k, true), '{}') END
+                          FROM (SELECT p.aggregate_id FROM outbox._parked p
+                                 WHERE p.consumer_id = c.id AND p.shard = cur.shard
+                                 LIMIT batch_size + 1) AS t(k));
+    fresh     boolean;
+    page      outbox.events[];
+    queued    outbox.events[];  -- the page's events of parked keys
+    mine      outbox.events[];  -- and the others (riding keys' among them)
+    heads     outbox.claimed[] := outbox_internal._due_heads(c, cur.shard, batch_size);
+    riding    jsonb := outbox_internal._riding(c, heads);
+    exhausted boolean;
+    all_due     boolean;  -- a page of parked keys' events only: are all their keys due,
+    catching_up boolean;  -- and all catching up?
+    held        boolean := false;  -- such a page left to read once their queues are out
+    share       int;  -- of batch_size, each key catching up gets (as _due_heads gives it)
+    windows     int := 0;  -- windows this call opened
+    since     timestamptz;
+    until     timestamptz;
+BEGIN
+    LOOP
+        fresh := cur.hi_snap IS NULL AND cur.restored_seq IS NULL;
+        IF cur.hi_snap IS NULL THEN
+            cur := outbox_internal._open_window(cur, seq_mark, x);
+            windows := windows + 1;
+        END IF;
+        since := outbox_internal._window_since(cur, outbox_internal._newest_seal());
+        until := outbox_internal._reach();  -- both after the window's snapshot: see _claim
+        page := ARRAY(SELECT w FROM outbox_internal._window_events(cur, NULL, batch_size, since, until) AS w);
+        exhausted := cardinality(page) < batch_size;
+        -- each event's key looked up among the shard's parked keys, read once into keys (a
+        -- JSON object: its keys are sorted, ? searches them) when they are no more than a
+        -- page's events; else through _parked's key, once per event (a join planned from
+        -- statistics taken while nothing was parked compared every event with every parked
+        -- key). A lookup in _parked per event was half of a drain with 5% of its events
+        -- failing (#38): every failure leaves versions of _parked that such lookups walk.
+        SELECT coalesce(array_agg(k.e ORDER BY (k.e).seq) FILTER (WHERE k.parked), '{}'),
+               coalesce(array_agg(k.e ORDER BY (k.e).seq) FILTER (WHERE NOT k.parked), '{}')
+          INTO queued, mine
+          FROM (SELECT e, CASE WHEN keys IS NULL
+                               THEN EXISTS (SELECT FROM outbox._parked p
+                                             WHERE p.consumer_id = c.id AND p.aggregate_id = e.aggregate_id)
+                               ELSE keys ? e.aggregate_id END AND NOT riding ? e.aggregate_id AS parked
+                  FROM unnest(page) e
+                OFFSET 0) k;  -- parked worked out once per event, not once per FILTER
+        IF cardinality(mine) = 0 AND cardinality(page) > 0 THEN
+            -- only parked keys' events here: are all their keys due, at their first retry or
+            -- catching up; and are all catching up (due, their last head through) with a queue
+            -- that two claims' shares empty (so that keys behind the page wait two claims at
+            -- most), none of the page's events queued already (by a claim given back)?
+            share := greatest(1, batch_size / greatest(1, (
+                         SELECT count(*) FROM (SELECT FROM outbox._parked p
+                                                WHERE p.shard = cur.shard AND p.consumer_id = c.id
+                                                  AND p.next_attempt_at <= now() LIMIT batch_size) d)));
+            SELECT bool_and(p.next_attempt_at <= now() AND (p.attempts = 1 OR p.head_through)),
+                   bool_and(p.next_attempt_at <= now() AND p.head_through
+                            AND (SELECT count(*) FROM (SELECT FROM outbox._parked_events q
+                                                        WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
+                                                        LIMIT 2 * share + 1) n) BETWEEN 1 AND 2 * share
+                            AND NOT EXISTS (SELECT FROM outbox._parked_events q
+                                             WHERE q.id = k.first_id AND q.consumer_id = c.id))
+              INTO all_due, catching_up
+              FROM (SELECT DISTINCT ON (q.aggregate_id) q.aggregate_id, q.id AS first_id
+                      FROM unnest(queued) q ORDER BY q.aggregate_id, q.seq) k
+             CROSS JOIN LATERAL (SELECT p.* FROM outbox._parked p
+                                  WHERE p.aggregate_id = k.aggregate_id AND p.consumer_id = c.id) p;
+            IF catching_up THEN
+                -- the page waits until their queues, handed out below, are empty and they flow
+                -- with the shard again: not copied into the queues and out again (#38: a hot key)
+                page := '{}';
+                exhausted := false;  -- the window is not read to its end: the page is still to read
+                held := true;
+                EXIT;
+            END IF;
+        END IF;
+        PERFORM outbox_internal._queue_parked(c.id, queued);
+        EXIT WHEN cardinality(mine) > 0;
+        -- A second window this call opened and still only parked keys' events: enough for one
+        -- call. (A key parked for long, its producer committing faster than a window is read,
+        -- kept the claim copying its stream into its queue for as long as the stream lasted,
+        -- the shard locked.) Heads to hand out go with this page; else the shard moves past
+        -- it below, and the next claim goes on.
+        EXIT WHEN windows > 1 AND cardinality(heads) > 0;
+        IF cardinality(page) > 0 THEN
+            -- record that the shard moved past the page; go on to the next, unless its keys
+            -- are all due at their first retry or catching up: their heads make this batch,
+            -- and the shard moves past a page of them per claim, not all their events at once,
+            -- so that a key failing once keeps its backlog in the log (a key failing again, or
+            -- refused unjudged, is moved past at once; and not when the page ended the window,
+            -- which the batch's claim row must be in)
+            cur := outbox_internal._advance(cur, page[cardinality(page)].seq, exhausted);
+            PERFORM outbox_internal._append(cur);
+            EXIT WHEN all_due AND NOT exhausted;
+            EXIT WHEN windows > 1;  -- nothing to hand out: the next claim goes on from here
+        ELSIF fresh THEN
+            EXIT;  -- nothing new since the last window
+        ELSE
+            cur := outbox_internal._next_window(cur);
+        END IF;
+    END LOOP;
+    IF cardinality(mine) = 0 AND cardinality(heads) = 0 THEN
+        -- only a window found empty is recorded so: a page held is still to read, and one the
+        -- shard moved past is recorded already, with the rest of its window still to read
+        IF NOT held AND cardinality(page) = 0 THEN
+            PERFORM outbox_internal._record_empty(cur, stale, outbox_internal._newest_seal());
+        END IF;
+        RETURN;
+    END IF;
+    cur := outbox_internal._claimed(cur, owner, lease,
+                           CASE WHEN cardinality(page) > 0 THEN page[cardinality(page)].seq ELSE cur.after_seq END,
+                           exhausted, ARRAY(SELECT h.id FROM unnest(heads) h));
+    PERFORM outbox_internal._append(cur);
+    RETURN QUERY  -- heads first: a riding key's events of the page come after its queue
+    SELECT h.shard, cur.epoch, h.id, h.topic, h.aggregate_type, h.aggregate_id, h.event_type,
+           h.payload, h.headers, h.created_at, h.seq, h.attempt
+      FROM unnest(heads) AS h;
+    RETURN QUERY
+    SELECT cur.shard, cur.epoch, m.id, m.topic, m.aggregate_type, m.aggregate_id, m.event_type,
+           m.payload, m.headers, m.created_at, m.seq, 1
+      FROM unnest(mine) AS m ORDER BY m.seq;
+END
+$$;

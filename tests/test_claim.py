@@ -873,3 +873,45 @@ def test_errors_of_a_claims_body_reach_the_caller_as_raised(db, consumer):
     with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState) as err:
         db.execute("SELECT * FROM outbox.settle_and_claim('sink', 0, 12345)")
     assert err.value.diag.message_detail.startswith("The shard is at epoch")
+
+
+@pytest.mark.parametrize("with_a_head", [False, True])
+def test_a_claim_ends_while_a_key_parked_for_long_streams_in(db, connect, with_a_head):
+    """A key parked for an hour whose producer commits faster than a window is read: each
+    window held only its events, which join its queue, and the claim went on to the next
+    window for as long as the stream lasted (the shard locked meanwhile). A claim opens two
+    windows at most; the next goes on where it stopped. (With another key's head due, the
+    head goes out with what the claim read.)"""
+    db.execute("SELECT outbox.create_consumer('c')")
+    hot, other = keys_in_shard(db, 5, 2)
+    relay = Relay(connect(), "c")
+    emit(db, hot, 1)
+    emit(db, other, 1)
+    batch = relay.claim()
+    failures = [relay.failure(e, "HTTP 503", retry_after="1 hour") for e in batch if e.aggregate_id == hot]
+    if with_a_head:
+        failures += [relay.failure(e, "HTTP 503", retry_after="0") for e in batch if e.aggregate_id == other]
+    relay.settle(batch[0].shard, batch[0].epoch, failures)
+    stop = threading.Event()
+
+    def produce():
+        with connect() as c:
+            while not stop.is_set():
+                c.execute("SELECT outbox.emit_many('order', 'e', array_fill(%s::text, ARRAY[10]), "
+                          "array_fill('{}'::jsonb, ARRAY[10]))", (hot,))
+    producers = [threading.Thread(target=produce, daemon=True) for _ in range(3)]
+    for p in producers:
+        p.start()
+    try:
+        time.sleep(0.5)
+        relay.conn.execute("SET statement_timeout = '3s'")
+        before = db.execute("SELECT max(pos) FROM outbox._cursor_log").fetchone()[0]
+        got = relay.claim()               # before: canceled by the statement_timeout
+        windows = db.execute("SELECT count(DISTINCT lo_seq) FROM outbox._cursor_log WHERE pos > %s",
+                             (before,)).fetchone()[0]
+        assert windows <= 2, "the window it began in, and one more at most"
+        assert [e.aggregate_id for e in got] == ([other] if with_a_head else [])
+    finally:
+        stop.set()
+        for p in producers:
+            p.join()
