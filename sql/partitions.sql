@@ -332,19 +332,23 @@ $$;
 -- That takes a clock stepped back past the seal (a minute or more: seals are made a minute
 -- behind it), and such an event lands in a partition whose time is over, or in the default
 -- partition. The trigger outbox_seal, defined on outbox.events (so on every partition, whoever
--- makes or attaches it), is on there, ALWAYS (as outbox_reach), and off where emits write: when
--- a seal lies above the event's created_at, it records a seal break there, in the event's own
--- transaction, unless one at or below it is recorded. A claim that sees the event committed
--- sees the break (it reads the seals after its window's snapshot: sql/claim.sql), so it trusts
--- no seal above and reads the event's partition. Without it, once the clock was past the seal
--- again and before maintain() noticed, claims skipped the event for good. A seal made while
--- the event's transaction is open lies a minute below its start (_seal): none is missed.
+-- makes or attaches it), is on there, ALWAYS (as outbox_reach), and off where emits write. It
+-- records a seal break at the event's created_at, in the event's own transaction: in a
+-- partition whose time is over, always (events land there only from such a clock, so seldom);
+-- in the default partition, when a seal lies above the event. A claim that sees the event
+-- committed sees the break (it reads the seals after its window's snapshot: sql/claim.sql), so
+-- it trusts no seal above and reads the event's partition. Without it, once the clock was past
+-- the seal again and before maintain() noticed, claims skipped the event for good. Not only
+-- when a seal it can see lies above: a maintain() that sealed and has not committed yet (held
+-- up by a lock, or the clock stepped back while it ran) is invisible to it, and so is the
+-- deletion of an earlier break by such a run. A seal made while the event's transaction is
+-- open lies a minute below its start (_seal): none is missed.
 CREATE OR REPLACE FUNCTION outbox_internal._break_seals() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    IF EXISTS (SELECT FROM outbox._seals s WHERE s.upper > NEW.created_at)
-       AND NOT EXISTS (SELECT FROM outbox._seal_breaks b WHERE b.at <= NEW.created_at) THEN
+    IF TG_RELID <> 'outbox.events_default'::regclass
+       OR EXISTS (SELECT FROM outbox._seals s WHERE s.upper > NEW.created_at) THEN
         INSERT INTO outbox._seal_breaks (at) VALUES (NEW.created_at);
     END IF;
     RETURN NEW;

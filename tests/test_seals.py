@@ -4,10 +4,11 @@ it: an open transaction holds the seal back, and a clock gone back behind a seal
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
-from support.db import insert_event_at, partitions_scanned
+from support.db import insert_event_at, keys_in_shard, partitions_scanned, waits_for_a_lock
 from support.peers import wait_for
 from support.relay import Relay
 
@@ -192,3 +193,36 @@ def test_maintain_arms_the_partitions_behind_the_clock_and_only_those(db):
         SELECT count(*) FROM outbox.partitions p JOIN pg_trigger t ON t.tgrelid = p.partition AND t.tgname = 'outbox_seal'
          WHERE p.parent = 'outbox.events'::regclass AND p.upper > now() AND t.tgenabled <> 'D'""").fetchone()[0]
     assert on_now == 0
+
+
+def test_an_event_behind_a_seal_that_maintain_has_not_committed_yet_is_claimed(db, connect):
+    """maintain() seals, then waits (here on a row its trim deletes; in life on any lock, or a
+    clock stepped back while it runs) before it commits; meanwhile a transaction writes an
+    event behind that seal, and the consumer reads past it (the event in flight) before both
+    commit. The event's trigger cannot see the seal yet: it records a break all the same (it
+    fires only where events land behind time), or claims would trust the seal once committed
+    and skip the event for good."""
+    relay, behind = sealed_consumer(db)
+    db.execute("DELETE FROM outbox._seals")           # the partitions stay armed; maintain() seals again
+    db.execute("UPDATE outbox._cursor_log SET at = now() - interval '2 minutes' "
+               "WHERE pos = (SELECT min(pos) FROM outbox._cursor_log)")   # for the trim to delete
+    holder = connect(autocommit=False)
+    holder.execute("SELECT FROM outbox._cursor_log WHERE pos = (SELECT min(pos) FROM outbox._cursor_log) FOR UPDATE")
+    runner = connect()
+    pid = runner.execute("SELECT pg_backend_pid()").fetchone()[0]
+    run = threading.Thread(target=lambda: runner.execute("SELECT * FROM outbox.maintain()").fetchall())
+    run.start()
+    writer = connect(autocommit=False)
+    try:
+        waits_for_a_lock(db, pid)
+        assert db.execute("SELECT count(*) FROM outbox._seals").fetchone()[0] == 0, "its seal not committed"
+        insert_event_at(writer, "late", behind)
+        k, = keys_in_shard(db, db.execute("SELECT outbox.shard_of('late')").fetchone()[0], 1)
+        db.execute("SELECT outbox.emit('order', %s, 'e', '{}')", (k,))
+        assert [e.aggregate_id for e in relay.drain()] == [k]   # its shard read past 'late', in flight
+    finally:
+        holder.rollback()
+        run.join(30)
+    assert db.execute("SELECT count(*) FROM outbox._seals").fetchone()[0] == 1, "maintain() sealed"
+    writer.commit()
+    assert [e.aggregate_id for e in relay.drain()] == ["late"]
