@@ -220,11 +220,15 @@ BEGIN
                END AS failed_from
           FROM unnest(firsts) f)
     SELECT (SELECT (b.f).event_id FROM before b WHERE (b.f).seq < b.failed_from LIMIT 1),
-           -- a reject of the very event a nack queued for a retry: it would change nothing
+           -- a reject of the very event a nack of this batch queued for a retry: it would
+           -- change nothing (not one a replay queued again after a reject: that one is dead)
            (SELECT (b.f).event_id FROM before b
              WHERE (b.f).final AND (b.f).seq = b.failed_from
                AND EXISTS (SELECT FROM outbox._parked_events q
                             WHERE q.consumer_id = c.id AND q.id = (b.f).event_id)
+               AND EXISTS (SELECT FROM outbox._parked p
+                            WHERE p.consumer_id = c.id AND p.aggregate_id = (b.f).aggregate_id
+                              AND p.nacked_epoch = cur.epoch)
              LIMIT 1),
            ARRAY(SELECT b.f FROM before b WHERE b.failed_from IS NULL)
       INTO early, retried, fresh;
@@ -333,7 +337,9 @@ BEGIN
                      ORDER BY r.aggregate_id, r.head DESC, r.seq, r.final DESC);
     BEGIN
         kept := outbox_internal._fail_keys(c, cur, batch, firsts);
-    EXCEPTION WHEN OTHERS THEN
+    EXCEPTION WHEN invalid_parameter_value THEN
+        RAISE;  -- a report _fail_keys refuses (out of order, a reject after a nack): the relay's to mend
+    WHEN OTHERS THEN
         kept := 0;
         FOREACH f IN ARRAY firsts LOOP
             kept := kept + outbox_internal._fail_key_or_say_why(c, cur, batch, f);

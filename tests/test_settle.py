@@ -396,19 +396,35 @@ def test_a_rejected_event_listed_again_stays_dead(db, relay):
     assert relay.drain() == [], "not delivered again"
 
 
-def test_a_reject_of_an_event_nacked_in_its_batch_is_refused_not_ignored(db, relay):
-    """nack queues the event for a retry; a reject of it in the same batch changed nothing,
-    silently, though the relay took the event for dead-lettered."""
+@pytest.mark.parametrize("how", ["reject", "settle"])
+def test_a_reject_of_an_event_nacked_in_its_batch_is_refused_not_ignored(db, relay, how):
+    """nack queues the event for a retry; a reject of it in the same batch (or a settle that
+    lists it final) changed nothing, silently, though the relay took the event for
+    dead-lettered."""
     a, = keys_in_shard(db, 7, 1)
     batch, by_key = emit_batch(db, relay, {a: 2})
     relay.nack(by_key[a][0], "HTTP 503")
     with pytest.raises(psycopg.errors.InvalidParameterValue) as e:
-        db.execute("SELECT outbox.reject('sink', %s, %s, %s, 'HTTP 422')", (batch[0].shard, batch[0].epoch, by_key[a][0].id))
+        if how == "reject":
+            db.execute("SELECT outbox.reject('sink', %s, %s, %s, 'HTTP 422')", (batch[0].shard, batch[0].epoch, by_key[a][0].id))
+        else:
+            relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(by_key[a][0], "HTTP 422", final=True)])
     assert e.value.diag.message_hint
     # a later event of the key is held back behind the nacked one, never sent: as before
     db.execute("SELECT outbox.reject('sink', %s, %s, %s, 'HTTP 422')", (batch[0].shard, batch[0].epoch, by_key[a][1].id))
     relay.ack(batch[0].shard, batch[0].epoch)
     assert dead(db) == [] and parked(db) == {a: [0, 1]}
+
+
+def test_a_rejected_event_replayed_then_listed_final_again_is_not_refused(db, relay):
+    """A reject dead-letters the event, a replay queues it again while the batch is out, and the
+    relay's settle lists it final, as it said before: nothing to refuse (the replay stands)."""
+    a, = keys_in_shard(db, 7, 1)
+    batch, by_key = emit_batch(db, relay, {a: 1})
+    db.execute("SELECT outbox.reject('sink', %s, %s, %s, 'HTTP 422')", (batch[0].shard, batch[0].epoch, by_key[a][0].id))
+    db.execute("SELECT outbox.replay('sink')")
+    relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(by_key[a][0], "HTTP 422", final=True)])
+    assert dead(db) == [] and parked(db) == {a: [0]}
 
 
 def test_an_event_listed_as_retried_and_as_final_in_one_settle_is_dead_lettered(db, relay):
