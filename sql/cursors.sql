@@ -118,6 +118,8 @@ CREATE TABLE IF NOT EXISTS outbox._seals (
 CREATE TABLE IF NOT EXISTS outbox._seal_breaks (
     at timestamptz NOT NULL
 );
+-- (every claim reads the lowest: a clock behind for long may leave a row per transaction)
+CREATE INDEX IF NOT EXISTS _seal_breaks_at ON outbox._seal_breaks (at);
 
 -- Reach: how far ahead of the clock events may lie. Every event has a created_at below the
 -- greatest upper here, so reads add "created_at < it" (outbox_internal._reach), and

@@ -3,6 +3,9 @@
 -- Why: HEADER
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.39.0'" to load this file. \quit
 
+-- (sql/cursors.sql)
+CREATE INDEX IF NOT EXISTS _seal_breaks_at ON outbox._seal_breaks (at);
+
 -- (a give-back undoes the attempt of a key this batch parked, though a replay keeps it parked)
 CREATE OR REPLACE FUNCTION outbox_internal._unpark_released(c outbox.consumers, cur outbox._cursor_log) RETURNS void
     LANGUAGE plpgsql VOLATILE
@@ -281,6 +284,7 @@ DECLARE
     step    outbox_internal._maint_step := ROW('{}', 0, false);
     lo_at   timestamptz;
     created regclass;
+    moved   boolean;
 BEGIN
     FOR lo_at IN EXECUTE format(
             'SELECT DISTINCT outbox_internal._floor_time(%s, %L) FROM %s %s ORDER BY 1 LIMIT %s',
@@ -295,14 +299,20 @@ BEGIN
                 'rows of more partitions in the default partition than one run takes: the next run goes on')::outbox_internal._maint_row;
             EXIT;
         END IF;
-        step.used := step.used + 1;
-        LOOP  -- each gap of the range (several after a change of width)
+        LOOP  -- each gap of the range (several after a change of width), within the budget
+            EXIT WHEN step.used >= budget;
             created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
             EXIT WHEN created IS NULL;
+            step.used := step.used + 1;
             step.changed := true;
-            RAISE WARNING 'outbox.maintain: rows of % were in its default partition; moved them to %',
-                cfg.parent, created;
-            step.rows := step.rows || ROW('moved', created::text, 'rows from the default partition')::outbox_internal._maint_row;
+            EXECUTE format('SELECT EXISTS (SELECT FROM %s)', created) INTO moved;
+            IF moved THEN
+                RAISE WARNING 'outbox.maintain: rows of % were in its default partition; moved them to %',
+                    cfg.parent, created;
+                step.rows := step.rows || ROW('moved', created::text, 'rows from the default partition')::outbox_internal._maint_row;
+            ELSE
+                step.rows := step.rows || ROW('created', created::text, NULL)::outbox_internal._maint_row;
+            END IF;
         END LOOP;
     END LOOP;
     RETURN step;
@@ -338,7 +348,8 @@ BEGIN
                 'more partitions to create than one run takes: the next run goes on')::outbox_internal._maint_row;
             EXIT;
         END IF;
-        LOOP  -- each gap of the range (several after a change of width)
+        LOOP  -- each gap of the range (several after a change of width), within the budget
+            EXIT WHEN step.used >= budget AND lo_at > outbox_internal._floor_time(now(), cfg.width) + cfg.width;
             created := outbox_internal._create_partition(cfg.parent, lo_at, cfg.width);
             EXIT WHEN created IS NULL;
             step.used := least(step.used + 1, budget);
@@ -487,8 +498,11 @@ CREATE OR REPLACE FUNCTION outbox_internal._break_seals() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    IF TG_RELID <> 'outbox.events_default'::regclass
-       OR EXISTS (SELECT FROM outbox._seals s WHERE s.upper > NEW.created_at) THEN
+    IF (TG_RELID <> 'outbox.events_default'::regclass
+        OR EXISTS (SELECT FROM outbox._seals s WHERE s.upper > NEW.created_at))
+       -- one break per transaction (its own are the only ones no one else can delete)
+       AND NOT EXISTS (SELECT FROM outbox._seal_breaks b
+                        WHERE b.at <= NEW.created_at AND b.xmin = pg_current_xact_id()::xid) THEN
         INSERT INTO outbox._seal_breaks (at) VALUES (NEW.created_at);
     END IF;
     RETURN NEW;

@@ -402,9 +402,25 @@ def test_a_wider_width_leaves_no_gap_between_the_partitions_made_before(db, pare
     maintain(db)
     assert gaps(db, parent) == []
     assert [a for a, *_ in maintain(db) if a in ("created", "moved")] == [], "nothing left to make"
-    if parent == "outbox.events":
-        insert_event_at(db, "later today", "5 hours")
-        assert partition_of(db, "later today") != "outbox.events_default"
+
+
+def test_rows_in_one_gap_of_a_day_are_moved_and_the_other_gap_is_made_empty(db):
+    """A day two days ahead holds one hourly partition (12:00 to 13:00) and, in the default
+    partition, an event of 18:00: the daily partitions come as [00:00, 12:00), empty, and
+    [13:00, 24:00), which the event moves to; only that one says it moved rows."""
+    day = "date_trunc('day', now() + interval '2 days', 'UTC')"
+    repartition(db, "outbox.events", "1 hour", 0)
+    db.execute(f"SELECT outbox_internal._create_partition('outbox.events', {day} + interval '12 hours', '1 hour')")
+    hours = db.execute(f"SELECT extract(epoch FROM {day} + interval '18 hours' - now())::text || ' s'").fetchone()[0]
+    insert_event_at(db, "evening", hours)
+    assert partition_of(db, "evening") == "outbox.events_default"
+    db.execute("UPDATE outbox.partition_config SET width = '1 day', ahead = 3 WHERE parent = 'outbox.events'::regclass")
+    with _notices(db) as notices:
+        actions = maintain(db)
+    moved = [r for a, r, _ in actions if a == "moved"]
+    assert moved == [partition_of(db, "evening")], actions
+    assert len([n for n in notices if "moved them" in n]) == 1, notices
+    assert gaps(db) == []
 
 
 def test_partitions_of_a_width_under_a_second_get_names_of_their_own(db):

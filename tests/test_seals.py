@@ -226,3 +226,12 @@ def test_an_event_behind_a_seal_that_maintain_has_not_committed_yet_is_claimed(d
     assert db.execute("SELECT count(*) FROM outbox._seals").fetchone()[0] == 1, "maintain() sealed"
     writer.commit()
     assert [e.aggregate_id for e in relay.drain()] == ["late"]
+
+
+def test_a_transaction_writing_events_behind_a_seal_records_one_break(db):
+    relay, behind = sealed_consumer(db)
+    with db.transaction():
+        for i in range(5):
+            insert_event_at(db, f"late{i}", behind)
+    assert db.execute("SELECT count(*) FROM outbox._seal_breaks").fetchone()[0] == 1
+    assert sorted(e.aggregate_id for e in relay.drain()) == [f"late{i}" for i in range(5)]
