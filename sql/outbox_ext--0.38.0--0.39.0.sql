@@ -1,6 +1,21 @@
 -- outbox_ext 0.38.0 -> 0.39.0
 --
--- Why: HEADER
+-- Why: a deploy that started refusing everything dead-lettered the batches already out (a
+-- success of a request that started later was taken for the sink's health; that is in the
+-- worker). An event written behind a seal that maintain() had made but not yet committed
+-- recorded no seal break (its trigger could not see the seal), and once both committed,
+-- claims that had read past its shard while it was in flight skipped it for good: the
+-- trigger now records a break wherever a partition's time is over, one per transaction
+-- (_seal_breaks is indexed). A key parked for long whose producer commits faster than a
+-- window is read kept a claim copying its stream for as long as it lasted, the shard locked:
+-- a claim opens two windows at most. A reject (or a final report) of an event nacked in the
+-- same batch changed nothing, silently: it is refused (22023); an event listed both ways in
+-- one settle is dead-lettered; a give-back after a nack and a replay of the key's dead letter
+-- left the key on the nack's attempt and backoff. After a change of width, the day's
+-- partition was cut to the first gap and the rest never covered: every gap is filled, a
+-- partition with no rows moved says "created", and each partition counts against a run's
+-- budget. Partition names carry microseconds when a bound has any (a width under a second
+-- failed with 42P07 on every run), and a suffix when a detached table keeps the name.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.39.0'" to load this file. \quit
 
 -- (sql/cursors.sql)
