@@ -152,7 +152,9 @@ def test_a_partitions_events_are_read_after_its_writers_are_seen_ended(db, conne
     assert said == ["a consumer has not read all its events"], "the partition would go with the writer's event"
 
 
-def test_detach_instead_of_drop(db):
+def a_detached_partition(db) -> str:
+    """With detach = true, consumer 'c' reads an old partition's event; maintain() detaches the
+    partition. Returns its name."""
     db.execute("UPDATE outbox.partition_config SET detach = true WHERE parent = 'outbox.events'::regclass")
     db.execute("SELECT outbox.create_consumer('c')")
     insert_event_at(db, "old", "-10 days")
@@ -160,6 +162,11 @@ def test_detach_instead_of_drop(db):
     part = partition_of(db, "old")
     Relay(db, "c").drain()
     assert ("detached", part) in [(a, r) for a, r, _ in maintain(db)]
+    return part
+
+
+def test_detach_instead_of_drop(db):
+    part = a_detached_partition(db)
     assert db.execute(f"SELECT count(*) FROM {part}").fetchone()[0] == 1, "kept as a plain table"
     assert db.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = %s::regclass", (part,)).fetchone()[0] == 0, \
         "with no trigger of ours (the archive outlives the extension)"
@@ -433,13 +440,7 @@ def test_a_range_whose_name_a_detached_partition_keeps_gets_another(db):
     """With detach = true, a partition past retention stays as a table of its own under its
     name; a partition made again for that range (an event of that time in the default
     partition) failed on every run with 42P07."""
-    db.execute("UPDATE outbox.partition_config SET detach = true WHERE parent = 'outbox.events'::regclass")
-    db.execute("SELECT outbox.create_consumer('c')")
-    insert_event_at(db, "old", "-10 days")
-    maintain(db)
-    part = partition_of(db, "old")
-    Relay(db, "c").drain()
-    assert ("detached", part) in [(a, r) for a, r, _ in maintain(db)]
+    part = a_detached_partition(db)
     insert_event_at(db, "old again", "-10 days")
     forget_seals(db)
     moved = [r for a, r, _ in maintain(db) if a == "moved"]

@@ -633,6 +633,31 @@ mod tests {
         );
     }
 
+    /// Event `id` refused as about itself beside a delivery, then the sink delivers again.
+    fn refused_then_a_success_since(h: &mut Health, id: &str) {
+        let no = refused(1).into_verdicts(1).remove(0);
+        let first = Outcome::Events(vec![Verdict::Delivered, no]);
+        h.judge(&batch(1, &["x", id]), first, Instant::now());
+        std::thread::sleep(Duration::from_millis(2));
+        let ok = Outcome::all(1, Verdict::Delivered);
+        h.judge(&batch(9, &["y"]), ok, Instant::now());
+    }
+
+    fn down_502() -> Verdict {
+        Verdict::Down {
+            error: "HTTP 502".into(),
+            retry_after: None,
+            blameable: true,
+        }
+    }
+
+    fn unsent_502() -> Verdict {
+        Verdict::Unsent {
+            error: "HTTP 502".into(),
+            retry_after: None,
+        }
+    }
+
     fn settled_uncounted(j: &Judgement) -> bool {
         matches!(j, Judgement::Settle(v) if v.iter().all(|v| matches!(v, Verdict::Unsent { .. })))
     }
@@ -685,28 +710,9 @@ mod tests {
         // failure), then b's request finds the sink down: b's past says nothing of a
         let mut h = Health::default();
         let no = || refused(1).into_verdicts(1).remove(0);
-        h.judge(
-            &batch(1, &["x", "b"]),
-            Outcome::Events(vec![Verdict::Delivered, no()]),
-            Instant::now(),
-        );
-        std::thread::sleep(Duration::from_millis(2));
-        h.judge(
-            &batch(2, &["y"]),
-            Outcome::all(1, Verdict::Delivered),
-            Instant::now(),
-        );
+        refused_then_a_success_since(&mut h, "b");
         let started = Instant::now();
-        let was_down = Verdict::Down {
-            error: "HTTP 502".into(),
-            retry_after: None,
-            blameable: true,
-        };
-        let not_carried = Verdict::Unsent {
-            error: "HTTP 502".into(),
-            retry_after: None,
-        };
-        let outcome = Outcome::Events(vec![no(), was_down, not_carried]);
+        let outcome = Outcome::Events(vec![no(), down_502(), unsent_502()]);
         let j = h.judge(&batch(3, &["a", "b", "c"]), outcome, started);
         assert!(gave_back(&j), "a is not dead-lettered: {j:?}");
     }
@@ -736,32 +742,10 @@ mod tests {
     #[test]
     fn a_sink_found_down_on_a_healthy_sink_blames_only_the_events_the_request_carried() {
         let mut h = Health::default();
-        // a failed before as about itself, and the sink delivered since
-        h.judge(
-            &batch(1, &["x", "a"]),
-            Outcome::Events(vec![
-                Verdict::Delivered,
-                refused(1).into_verdicts(1).remove(0),
-            ]),
-            Instant::now(),
-        );
-        std::thread::sleep(Duration::from_millis(2));
-        h.judge(
-            &batch(3, &["y"]),
-            Outcome::all(1, Verdict::Delivered),
-            Instant::now(),
-        );
+        refused_then_a_success_since(&mut h, "a");
         let t0 = Instant::now();
-        let was_down = Verdict::Down {
-            error: "HTTP 502".into(),
-            retry_after: None,
-            blameable: true,
-        };
-        let not_carried = Verdict::Unsent {
-            error: "HTTP 502".into(),
-            retry_after: None,
-        };
-        let outcome = Outcome::Events(vec![was_down, not_carried.clone(), Verdict::Skipped]);
+        let not_carried = unsent_502();
+        let outcome = Outcome::Events(vec![down_502(), not_carried.clone(), Verdict::Skipped]);
         let Judgement::Settle(v) = h.judge(&batch(2, &["a", "head", "away"]), outcome, t0) else {
             panic!("a sink shown healthy since: the carried event is blamed");
         };
