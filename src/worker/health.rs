@@ -9,7 +9,9 @@
 //!   refusing everything mid-batch looks just so), or
 //! - the sink delivered something since each failed event last failed as about itself (its
 //!   earlier failure was remembered here; an event only throttled before, or one failing for
-//!   the first time beside it, shows nothing; a batch with nothing to count is settled
+//!   the first time beside it, shows nothing, and nor does a failure of a batch of two keys
+//!   or more that nothing showed healthy: a receiver flapping between up and down fails
+//!   whatever comes in its down spells; a batch with nothing to count is settled
 //!   uncounted, not given back, when any of its events failed before with a success since), or
 //! - the failed request carried one key's events, the sink answered it as about those events
 //!   (a retry or a refusal: src/sinks/http.rs judge_failure), delivered other events within
@@ -250,7 +252,14 @@ impl Health {
                 .collect();
             let answered_ids: Vec<&str> = answered.iter().map(|e| e.id.as_str()).collect();
             let evidence = self.evidence(started, &answered_ids, &answered_ids);
-            self.remember(answered_ids.iter().map(|id| (*id, true)), now);
+            // (a batch of two keys or more failing on a sink found down is no evidence against
+            // its events later: a receiver flapping between up and down fails whatever comes in
+            // its down spells; one key's events failing so may be a poisoned key's)
+            let one_key = answered
+                .windows(2)
+                .all(|w| w[0].aggregate_id == w[1].aggregate_id);
+            let evidence_later = evidence != Evidence::Nothing || one_key;
+            self.remember(answered_ids.iter().map(|id| (*id, evidence_later)), now);
             match evidence {
                 Evidence::TheirOwn => {
                     return Judgement::Settle(verdicts.into_iter().map(blamed).collect())
@@ -290,7 +299,10 @@ impl Health {
             true => Evidence::TheirOwn,
             false => self.evidence(started, &failed, &about),
         };
-        self.remember(failures(batch, &verdicts), now);
+        let evidence_later = evidence != Evidence::Nothing || one_key_about_it(&said); // as above
+        let remembered =
+            failures(batch, &verdicts).map(|(id, about)| (id, about && evidence_later));
+        self.remember(remembered, now);
         // blamed or not, a key the sink answered as about its events is remembered until the
         // next success: a second key failing alone then is not "a poisoned key" but a sink
         // failing every request
@@ -737,6 +749,44 @@ mod tests {
         h.judge(&batch(3, &["y"]), ok, Instant::now());
         let j = h.judge(&batch(2, &["p"]), down(), Instant::now());
         assert!(matches!(j, Judgement::Settle(_)), "{j:?}");
+    }
+
+    #[test]
+    fn failures_of_two_keys_on_a_sink_found_down_are_no_evidence_against_them_later() {
+        // a receiver flapping: down, up (a success), down again, e and f failing each time
+        let mut h = Health::default();
+        let down = || Outcome::SinkDown {
+            error: "HTTP 502".into(),
+            retry_after: None,
+            blameable: true,
+        };
+        h.judge(
+            &batch(1, &["x"]),
+            Outcome::all(1, Verdict::Delivered),
+            Instant::now(),
+        );
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(gave_back(&h.judge(
+            &batch(2, &["e", "f"]),
+            down(),
+            Instant::now()
+        )));
+        assert!(gave_back(&h.judge(
+            &batch(3, &["e", "f"]),
+            failed(2),
+            Instant::now()
+        )));
+        std::thread::sleep(Duration::from_millis(2));
+        h.judge(
+            &batch(4, &["y"]),
+            Outcome::all(1, Verdict::Delivered),
+            Instant::now(),
+        );
+        std::thread::sleep(Duration::from_millis(2));
+        let j = h.judge(&batch(2, &["e", "f"]), down(), Instant::now());
+        assert!(gave_back(&j), "not counted: {j:?}");
+        let j = h.judge(&batch(3, &["e", "f"]), failed(2), Instant::now());
+        assert!(gave_back(&j), "nor refused as about them: {j:?}");
     }
 
     #[test]
