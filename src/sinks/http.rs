@@ -327,7 +327,7 @@ pub fn refuses_for_good(status: u16) -> bool {
 
 /// "HTTP 500 from webhook: <first 200 characters of the body>".
 pub fn describe(reply: &Reply, what: &str) -> String {
-    let body: String = reply.body.chars().take(200).collect();
+    let body = super::without_nul(&reply.body.chars().take(200).collect::<String>());
     let body = body.trim();
     if body.is_empty() {
         format!("HTTP {} from {what}", reply.status)

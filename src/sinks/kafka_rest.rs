@@ -401,7 +401,8 @@ fn record_verdict(report: &Value, what: &str) -> Verdict {
     let message = ["error", "message"]
         .iter()
         .find_map(|k| report.get(*k).and_then(Value::as_str))
-        .unwrap_or("");
+        .map(super::without_nul)
+        .unwrap_or_default();
     // a success says so: a code of success, or an offset where the code is left out (`{}`
     // from a gateway that is no proxy is no report of a record published)
     let offset = report.get("offset").is_some_and(|o| !o.is_null());

@@ -468,6 +468,14 @@ pub fn held_back() -> Verdict {
     Verdict::HeldBack
 }
 
+/// A sink's text (an error reply's body, a proxy's message) as PostgreSQL can take it: a NUL
+/// (U+0000) becomes U+FFFD. PostgreSQL's text and jsonb hold no NUL: one in a failure's error
+/// made every settle of its batch fail (jsonb refuses `\u0000`), so its shard never moved on
+/// and the batch went out again at every lease.
+pub fn without_nul(text: &str) -> String {
+    text.replace('\0', "\u{FFFD}")
+}
+
 /// Appends `s` as a JSON string.
 pub fn push_json_str(out: &mut String, s: &str) {
     match serde_json::to_string(s) {

@@ -477,6 +477,7 @@ fn failures(batch: &Batch, verdicts: &[Verdict]) -> (String, Settled) {
             } => (error, *retry_after, false, false),
             Verdict::HeldBack => (&held_back, None, false, false),
         };
+        let message = crate::sinks::without_nul(message); // whatever made it, jsonb takes it
         let mut failure = serde_json::json!({
             "id": event.id,
             "error": message,
