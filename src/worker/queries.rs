@@ -209,6 +209,7 @@ pub fn claim(
     lease: Duration,
     shards: i32,
 ) -> Result<Vec<Batch>, String> {
+    let began = Instant::now(); // the lease runs from the call (see read_batches)
     in_transaction(|| {
         // select, not update: pgrx's update takes an xid first, and a claim must come before
         // its transaction's first write (see sql/claim.sql). Lateral on the sink's row, the
@@ -234,7 +235,7 @@ pub fn claim(
                     shards.into(),
                 ],
             )?;
-            Ok::<_, pgrx::spi::Error>(read_batches(config, lease, rows))
+            Ok::<_, pgrx::spi::Error>(read_batches(config, began + lease, rows))
         })
     })?
     .map_err(|e| e.to_string())
@@ -252,6 +253,7 @@ pub fn settle_and_claim(
     lease: Duration,
     shards: i32,
 ) -> Result<(Settled, Vec<Batch>), String> {
+    let began = Instant::now(); // the lease runs from the call (see read_batches)
     in_transaction(|| {
         Spi::connect_mut(|client| {
             // both questions in one statement: one round through SPI per settle fewer
@@ -295,7 +297,7 @@ pub fn settle_and_claim(
                     shards.into(),
                 ],
             )?;
-            Ok::<_, pgrx::spi::Error>((settled, read_batches(config, lease, rows)))
+            Ok::<_, pgrx::spi::Error>((settled, read_batches(config, began + lease, rows)))
         })
     })?
     .map_err(|e| e.to_string())
@@ -311,12 +313,21 @@ const CLAIMED_TYPES: [pg_sys::Oid; 11] = {
 };
 
 /// The claimed rows (columns as CLAIMED) as batches, one per shard (a claim returns each
-/// shard's rows together); their deadline leaves a tenth of the lease for settling. `rows`
+/// shard's rows together); their deadline leaves a tenth of the lease for settling. The lease
+/// ends at `lease_ends`, counted from before the call, as the database counts it (from the
+/// statement's start): a call that waited on a lock (a replay or drop_consumer left open in a
+/// transaction) returns batches whose lease has partly run, and counted from the return,
+/// their requests could still go out once another claim had taken the shard again. `rows`
 /// must be the last result of SPI: each row is read straight from SPI's result with one deform, as
 /// pgrx's reads column by column (two guarded calls into PostgreSQL each, every column found
 /// from the row's start) took a fifth of the worker's time at batches of 1,000.
-fn read_batches(config: &Config, lease: Duration, rows: pgrx::spi::SpiTupleTable) -> Vec<Batch> {
-    let deadline = Instant::now() + lease.mul_f64(0.9);
+fn read_batches(
+    config: &Config,
+    lease_ends: Instant,
+    rows: pgrx::spi::SpiTupleTable,
+) -> Vec<Batch> {
+    let now = Instant::now();
+    let deadline = now + lease_ends.saturating_duration_since(now).mul_f64(0.9);
     // SAFETY: SPI_tuptable and SPI_processed describe `rows`, the last statement's result
     // (nothing ran since); its columns are checked against CLAIMED_TYPES before any is read,
     // and every datum read is of the type checked.
