@@ -152,8 +152,16 @@ class KafkaCluster:
         self._wait(in_sync, timeout, f"every replica of topic {topic} in sync")
 
     def leader(self, topic: str, partition: int) -> int:
-        """The node that leads the partition now."""
-        return self.admin().list_topics(topic, timeout=10).topics[topic].partitions[partition].leader
+        """The node that leads the partition now (waited for: a topic just made may not be in
+        the metadata the broker answers with yet, or have no leader yet)."""
+        found: list[int] = []
+
+        def led():
+            partitions = self.admin().list_topics(topic, timeout=10).topics[topic].partitions
+            found[:] = [partitions[partition].leader] if partition in partitions else []
+            return bool(found) and found[0] >= 0
+        self._wait(led, 30, f"a leader of partition {partition} of topic {topic}")
+        return found[0]
 
     def read(self, topic: str, expect: int, timeout: float = 30.0) -> list[dict]:
         """Every record of the topic, in (partition, offset) order, each as partition, offset,
