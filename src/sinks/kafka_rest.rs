@@ -354,8 +354,9 @@ pub fn judge_reply(kind: Kind, reply: &Reply, what: &str, n: usize) -> Outcome {
 /// and the batch's other topics go on. (A 4xx refusal of a whole request is split down to the
 /// record it refuses: refused_whole.)
 fn proxy_failure(outcome: Outcome) -> Outcome {
+    // a record's own refusal (a 4xx split down to it) stays a refusal
     let unsent = |v: Verdict| match v {
-        Verdict::Retry { error, retry_after } => Verdict::Unsent { error, retry_after },
+        Verdict::Retry { .. } => v.uncounted(),
         other => other,
     };
     match outcome {

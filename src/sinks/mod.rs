@@ -182,6 +182,19 @@ impl Verdict {
         !matches!(self, Verdict::Delivered | Verdict::Skipped)
     }
 
+    /// A failure the sink answered (a retry, a refusal, found down) as not sent: nothing is
+    /// counted, its key waits, the error stays its own. Any other verdict as it is.
+    pub fn uncounted(self) -> Verdict {
+        match self {
+            Verdict::Retry { error, retry_after } => Verdict::Unsent { error, retry_after },
+            Verdict::Reject { error } => Verdict::Unsent {
+                error,
+                retry_after: None,
+            },
+            other => other.unsent_if_down().unwrap_or(other),
+        }
+    }
+
     /// For a Down verdict, the same failure as not sent.
     pub fn unsent_if_down(&self) -> Option<Verdict> {
         match self {

@@ -265,7 +265,9 @@ impl Health {
                     return Judgement::Settle(verdicts.into_iter().map(blamed).collect())
                 }
                 Evidence::OthersDelivered => {
-                    return Judgement::Settle(verdicts.into_iter().map(uncounted).collect())
+                    return Judgement::Settle(
+                        verdicts.into_iter().map(Verdict::uncounted).collect(),
+                    )
                 }
                 Evidence::Nothing => {}
             }
@@ -311,7 +313,7 @@ impl Health {
         match evidence {
             Evidence::TheirOwn => return Judgement::Settle(verdicts),
             Evidence::OthersDelivered => {
-                return Judgement::Settle(verdicts.into_iter().map(uncounted).collect())
+                return Judgement::Settle(verdicts.into_iter().map(Verdict::uncounted).collect())
             }
             Evidence::Nothing => {}
         }
@@ -513,23 +515,10 @@ fn unproven_tail_unsent(batch: &Batch, verdicts: Vec<Verdict>) -> Vec<Verdict> {
         return verdicts; // one key at most: a poisoned key is the key's
     }
     let not_sent = |(i, v): (usize, Verdict)| match i > last {
-        true => uncounted(v),
+        true => v.uncounted(),
         false => v,
     };
     verdicts.into_iter().enumerate().map(not_sent).collect()
-}
-
-/// A failure the sink answered (a retry, a refusal, found down) as not sent: nothing counted,
-/// its key waits; the error stays its own. Any other verdict as it is.
-fn uncounted(v: Verdict) -> Verdict {
-    match v {
-        Verdict::Retry { error, retry_after } => Verdict::Unsent { error, retry_after },
-        Verdict::Reject { error } => Verdict::Unsent {
-            error,
-            retry_after: None,
-        },
-        other => other.unsent_if_down().unwrap_or(other),
-    }
 }
 
 /// The verdicts with every failure turned into "not sent": nothing is counted.
