@@ -295,8 +295,12 @@ $$;
 -- transactions are invisible, so first: no open transaction started before the partition's
 -- upper bound (emit's created_at is the transaction's start, so it may still write there),
 -- and no transaction, prepared ones included, holds a lock on it (it has written there).
--- Then no consumer may have an event of it pending (outbox_internal._pending, sql/cursors.sql).
--- VOLATILE, so that this last read takes its snapshot after the first two: a STABLE function
+-- (A session with track_activities off shows no transaction start: then nothing may go.)
+-- Then no consumer may have an event of it pending (outbox_internal._pending, sql/cursors.sql),
+-- a consumer being made included: its cursor is invisible until it commits, so the run first
+-- waits for consumers made or dropped (SHARE on outbox.consumers, which only they write; under
+-- maintain()'s lock_timeout) and holds them off until it commits.
+-- VOLATILE, so that this last read takes its snapshot after the rest: a STABLE function
 -- reads with its caller's, taken before them, which does not show the events of a transaction
 -- that ended in between (and that the first two then no longer show either).
 CREATE OR REPLACE FUNCTION outbox_internal._partition_pending(part regclass, upper timestamptz) RETURNS text
@@ -311,9 +315,13 @@ BEGIN
     IF FOUND THEN
         RETURN format('transaction of backend %s, open since before the partition ends, may still write to it', pid);
     END IF;
+    IF EXISTS (SELECT FROM pg_stat_activity a WHERE a.state = 'disabled') THEN
+        RETURN 'a session with track_activities off may have a transaction open since before the partition ends';
+    END IF;
     IF EXISTS (SELECT FROM pg_locks l WHERE l.relation = part AND l.pid IS DISTINCT FROM pg_backend_pid()) THEN
         RETURN 'an open or prepared transaction has written to it';
     END IF;
+    LOCK TABLE outbox.consumers IN SHARE MODE;
     EXECUTE format(
         'SELECT EXISTS (SELECT FROM outbox._shards s
                           CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l

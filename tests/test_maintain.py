@@ -101,6 +101,48 @@ def test_an_open_transaction_keeps_its_partition(db, connect):
     assert ("dropped", part) in [(a, r) for a, r, _ in maintain(db)]
 
 
+def a_read_old_partition(db) -> str:
+    """A partition 10 days old whose one event ('old') consumer 'c' has read."""
+    db.execute("SELECT outbox.create_consumer('c')")
+    insert_event_at(db, "old", "-10 days")
+    maintain(db)
+    Relay(db, "c").drain()
+    return partition_of(db, "old")
+
+
+def test_a_consumer_being_made_from_the_beginning_keeps_the_partitions_it_will_read(db, connect):
+    """A consumer made from the beginning in a transaction still open has no cursor a run can
+    see: the run waits for it (a second at most), and its events stay for it to read."""
+    part = a_read_old_partition(db)
+    maker = connect(autocommit=False)
+    maker.execute("SELECT outbox.create_consumer('audit', from_beginning => true)")
+    assert [(a, r) for a, r, _ in maintain(db) if r == part] == [("kept", part)]
+    run = connect()
+    pid = run.execute("SELECT pg_backend_pid()").fetchone()[0]
+    done: list = []
+    waiting = threading.Thread(target=lambda: done.append(maintain(run)))
+    waiting.start()
+    waits_for_a_lock(db, pid)
+    maker.commit()                                # made while the run waits: it sees the cursor
+    waiting.join()
+    assert [(a, r, d) for a, r, d in done[0] if r == part] == [
+        ("kept", part, "past retention, but a consumer has not read all its events")]
+    assert [e.aggregate_id for e in Relay(db, "audit").drain()] == ["old"]
+
+
+def test_a_session_without_track_activities_keeps_the_partitions_past_retention(db, connect):
+    """Such a session shows no transaction start: it may have one open since before the
+    partition ended, about to write there."""
+    part = a_read_old_partition(db)
+    quiet = connect(autocommit=False)
+    quiet.execute("SET track_activities = off")
+    quiet.commit()
+    actions = [(a, r) for a, r, _ in maintain(db) if r == part]
+    assert actions == [("kept", part)]
+    quiet.close()
+    assert ("dropped", part) in [(a, r) for a, r, _ in maintain(db)]
+
+
 @pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
 def test_a_run_in_a_snapshot_older_than_the_writers_is_refused(db, connect, level):
     """maintain() reads a partition's events once the transactions that may write there have
