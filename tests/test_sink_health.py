@@ -437,6 +437,32 @@ def test_on_a_quiet_sink_a_second_key_failing_alone_suspends_it(conn, new_sink):
         peer.receiver.close()
 
 
+def test_a_deploy_refusing_everything_seen_by_one_busy_key_dead_letters_none_of_it(conn, new_sink):
+    """The only key sent (a busy one, one event per request) meets a deploy answering 400 to
+    everything just after a success: it looks like a poisoned key, so its head is counted and
+    waits out its backoff, but a refusal on that evidence is not final. (It was: the head was
+    dead-lettered, the key's next event was due at once and refused alone in turn, and so on,
+    each event of the key dead-lettered within milliseconds.)"""
+    peer = Misbehaving(lambda r: (400, {}, b"unknown schema version"))
+    peer.healed.set()
+    try:
+        sink = new_sink("webhook", peer.receiver.url, format="single", max_attempts=5,
+                        backoff_base="1 s", backoff_max="1 s")
+        emit(conn, "hot", 1)
+        wait_for(lambda: len(peer.receiver.accepted_events()) == 1)
+        peer.healed.clear()                                   # the deploy
+        emitted = {"hot": [conn.execute("SELECT outbox.emit('order', 'hot', 'e', '{}')::text").fetchone()[0]
+                           for _ in range(5)]}
+        time.sleep(2.5)
+        assert status(conn, sink)["dead_letters"] == 0
+        peer.healed.set()
+        wait_for(lambda: status(conn, sink)["undelivered"] == 0, timeout=20)
+        check_delivery(emitted, peer.receiver.accepted_events()[1:])
+        assert status(conn, sink)["dead_letters"] == 0
+    finally:
+        peer.receiver.close()
+
+
 def test_a_retry_after_of_an_hour_parks_a_key_five_minutes_at_most(conn, new_sink):
     """A receiver mid-deploy answers one key's requests 500 with "Retry-After: 3600" while it
     takes the others: the key is parked (its failure counts: the same batch delivered), but

@@ -15,8 +15,11 @@
 //!   uncounted, not given back, when any of its events failed before with a success since), or
 //! - the failed request carried one key's events, the sink answered it as about those events
 //!   (a retry or a refusal: src/sinks/http.rs judge_failure), delivered other events within
-//!   the last 30 s, and no other key has been answered so since: a poisoned key on a sink
-//!   that is otherwise idle is still dead-lettered. (Not so a record a Kafka broker refuses:
+//!   the last 30 s, no other key has been answered so since, and the sink is not suspended:
+//!   a poisoned key on a sink that is otherwise idle is still dead-lettered. On this evidence
+//!   alone (and for one key's failures after a batch's last delivery) a refusal counts as a
+//!   retry, not as final: a deploy answering 400 to everything looks the same to the only key
+//!   it is sent, whose events would otherwise be dead-lettered one after the other. (Not so a record a Kafka broker refuses:
 //!   the Kafka sinks blame it only once its topic takes another record, src/sinks/evidence.rs,
 //!   so on an idle topic it waits, uncounted.) (One key's events failing alone within 30 s of a
 //!   success is all that tells the two apart; a sink with a single key in flight can so have
@@ -123,6 +126,11 @@ enum Evidence {
     /// Only a request started after the batch's that delivered: the sink takes other events,
     /// but may have begun failing since that request was answered. Not counted.
     OthersDelivered,
+    /// One key failing alone soon after a success, no other key since (lone_key_failing): a
+    /// poisoned key's look, but also a sink that began refusing everything, seen by the only
+    /// key it was sent. Counted, never final: a refusal is retried, and final only once the
+    /// event is refused again after the sink delivered something (TheirOwn).
+    LoneKey,
     /// Nothing: as far as anyone knows, the sink is failing.
     Nothing,
 }
@@ -269,13 +277,13 @@ impl Health {
                         verdicts.into_iter().map(Verdict::uncounted).collect(),
                     )
                 }
-                Evidence::Nothing => {}
+                Evidence::LoneKey | Evidence::Nothing => {} // (never made here)
             }
             self.note_failing(answered.iter().map(|e| e.aggregate_id.as_str()));
             return self.give_back(error, retry_after, was_probe, now);
         }
         if verdicts.contains(&Verdict::Delivered) {
-            let verdicts = unproven_tail_unsent(batch, verdicts);
+            let verdicts = unproven_tail_unsent(batch, verdicts, |id| self.refused_before(id));
             self.delivered(started, now);
             self.remember(failures(batch, &verdicts), now);
             if let Some(retry_after) = verdicts.iter().find_map(unsent_retry_after) {
@@ -297,9 +305,11 @@ impl Health {
         let certain = said
             .iter()
             .all(|(_, v)| matches!(v, Verdict::Invalid { .. }));
-        let evidence = match certain || self.lone_key_failing(&said, now) {
-            true => Evidence::TheirOwn,
-            false => self.evidence(started, &failed, &about),
+        let evidence = match self.evidence(started, &failed, &about) {
+            _ if certain => Evidence::TheirOwn,
+            Evidence::TheirOwn => Evidence::TheirOwn,
+            _ if self.lone_key_failing(&said, now) => Evidence::LoneKey,
+            other => other,
         };
         let evidence_later = evidence != Evidence::Nothing || one_key_about_it(&said); // as above
         let remembered =
@@ -312,6 +322,9 @@ impl Health {
         self.note_failing(about_events.map(|(e, _)| e.aggregate_id.as_str()));
         match evidence {
             Evidence::TheirOwn => return Judgement::Settle(verdicts),
+            Evidence::LoneKey => {
+                return Judgement::Settle(verdicts.into_iter().map(not_final).collect())
+            }
             Evidence::OthersDelivered => {
                 return Judgement::Settle(verdicts.into_iter().map(Verdict::uncounted).collect())
             }
@@ -335,11 +348,22 @@ impl Health {
             return false;
         };
         let key = first.aggregate_id.as_str();
-        one_key_about_it(said)
+        // (a suspended sink's probe shows nothing: it failed for everything a moment ago)
+        self.state == State::Healthy
+            && one_key_about_it(said)
             && self.failing_keys.iter().all(|k| k == key)
             && self
                 .last_success_at
                 .is_some_and(|t| now.duration_since(t) < LONE_KEY_WINDOW)
+    }
+
+    /// Whether the sink refused the event before, as about itself, and delivered something
+    /// since: refused again, the refusal is the event's, and final.
+    fn refused_before(&self, id: &str) -> bool {
+        let Some(success) = self.last_success_start else {
+            return false;
+        };
+        (self.suspects.get(id)).is_some_and(|&(at, about)| about && success > at)
     }
 
     /// Keys that failed since the last success (lone_key_failing).
@@ -502,7 +526,15 @@ fn answered_about<'a>(batch: &'a Batch, verdicts: &[Verdict]) -> Vec<&'a str> {
 /// A poisoned key fails alone; events of two keys failing in a row at the end of a batch are
 /// tried again, as parked heads at the front of a later batch, where a success behind them
 /// shows whose fault it is.
-fn unproven_tail_unsent(batch: &Batch, verdicts: Vec<Verdict>) -> Vec<Verdict> {
+///
+/// One key's failures there are counted, but a refusal is final only for an event refused
+/// before, with a success since (`refused_before`): a deploy answering 400 to everything may
+/// have landed just after the batch's last delivery.
+fn unproven_tail_unsent(
+    batch: &Batch,
+    verdicts: Vec<Verdict>,
+    refused_before: impl Fn(&str) -> bool,
+) -> Vec<Verdict> {
     let Some(last) = verdicts.iter().rposition(|v| *v == Verdict::Delivered) else {
         return verdicts;
     };
@@ -511,14 +543,17 @@ fn unproven_tail_unsent(batch: &Batch, verdicts: Vec<Verdict>) -> Vec<Verdict> {
         .filter(|(_, v)| about_the_event(v))
         .map(|(e, _)| e.aggregate_id.as_str());
     let first = keys.next();
-    if !keys.any(|k| Some(k) != first) {
-        return verdicts; // one key at most: a poisoned key is the key's
-    }
-    let not_sent = |(i, v): (usize, Verdict)| match i > last {
-        true => v.uncounted(),
+    let one_key = !keys.any(|k| Some(k) != first);
+    let tail_verdict = |(i, (e, v)): (usize, (&crate::sinks::Event, Verdict))| match i > last {
         false => v,
+        true if !one_key => v.uncounted(),
+        true if refused_before(&e.id) => v,
+        true => not_final(v), // one key: a poisoned key's look, counted
     };
-    verdicts.into_iter().enumerate().map(not_sent).collect()
+    (batch.events.iter().zip(verdicts))
+        .enumerate()
+        .map(tail_verdict)
+        .collect()
 }
 
 /// The verdicts with every failure turned into "not sent": nothing is counted.
@@ -546,6 +581,17 @@ fn down(v: &Verdict) -> Option<(String, Option<Duration>)> {
 /// A Down verdict on a sink shown healthy: a failed attempt of its event when the event may
 /// have caused it; else (no connection, credentials refused: one bad instance of the
 /// receiver's several) it waits, uncounted. Any other verdict as it is.
+/// A refusal as a retry: counted, not final (Evidence::LoneKey).
+fn not_final(v: Verdict) -> Verdict {
+    match v {
+        Verdict::Reject { error } => Verdict::Retry {
+            error,
+            retry_after: None,
+        },
+        other => other,
+    }
+}
+
 fn blamed(v: Verdict) -> Verdict {
     match v {
         Verdict::Down {
@@ -845,6 +891,51 @@ mod tests {
     }
 
     #[test]
+    fn a_lone_keys_refusal_is_counted_not_final_until_refused_again_after_a_success() {
+        let mut h = Health::default();
+        let t0 = Instant::now();
+        let retried = |j: &Judgement| matches!(j, Judgement::Settle(v) if matches!(v[0], Verdict::Retry { .. }));
+        let rejected = |j: &Judgement| matches!(j, Judgement::Settle(v) if matches!(v[0], Verdict::Reject { .. }));
+        h.judge(&batch(1, &["x"]), Outcome::all(1, Verdict::Delivered), t0);
+        // a deploy answering 400 to everything, seen first by the only key sent: counted, so
+        // its key waits out a backoff, but not dead-lettered, nor its next event after it
+        let j = h.judge(&batch(2, &["a"]), refused(1), t0 + Duration::from_millis(1));
+        assert!(retried(&j), "{j:?}");
+        let j = h.judge(&batch(2, &["a"]), refused(1), t0 + Duration::from_millis(2));
+        assert!(retried(&j), "refused again, nothing delivered since: {j:?}");
+        // the sink delivers other events: refused again, it is the event's
+        h.judge(
+            &batch(3, &["y"]),
+            Outcome::all(1, Verdict::Delivered),
+            t0 + Duration::from_millis(3),
+        );
+        let j = h.judge(&batch(2, &["a"]), refused(1), t0 + Duration::from_millis(4));
+        assert!(rejected(&j), "{j:?}");
+    }
+
+    #[test]
+    fn a_probe_of_a_suspended_sink_is_no_lone_key() {
+        let mut h = Health::default();
+        let t0 = Instant::now();
+        h.judge(&batch(1, &["x"]), Outcome::all(1, Verdict::Delivered), t0);
+        // the only key found the sink down (connection refused): suspended
+        let down = Outcome::SinkDown {
+            error: "connection refused".into(),
+            retry_after: None,
+            blameable: false,
+        };
+        let j = h.judge(&batch(2, &["a"]), down, t0 + Duration::from_millis(1));
+        assert!(gave_back(&j), "{j:?}");
+        let probe = batch(3, &["a"]);
+        h.probe_sent(&probe, false);
+        let j = h.judge(&probe, refused(1), t0 + Duration::from_millis(2));
+        assert!(
+            gave_back(&j),
+            "a probe failing as the batches before it: {j:?}"
+        );
+    }
+
+    #[test]
     fn a_second_key_failing_alone_after_a_key_was_blamed_is_not_blamed() {
         let mut h = Health::default();
         let t0 = Instant::now();
@@ -1016,6 +1107,7 @@ mod tests {
                 .map(|v| match v {
                     Verdict::Delivered => "ok",
                     Verdict::Reject { .. } => "reject",
+                    Verdict::Retry { .. } => "retry",
                     Verdict::Unsent { .. } => "unsent",
                     Verdict::HeldBack => "held",
                     _ => "other",
@@ -1032,19 +1124,28 @@ mod tests {
             kinds(h.judge(&b, Outcome::Events(v), Instant::now())),
             ["ok", "ok", "unsent", "unsent", "unsent"]
         );
-        // a poisoned key at the end, its later event held back: the key's
+        // a poisoned key at the end, its later event held back: the key's, counted, but not
+        // final (a deploy may have landed just after the last delivery)
         let b = keyed_batch(2, &["a", "b", "c", "c"]);
         let v = vec![ok(), ok(), no(), Verdict::HeldBack];
         assert_eq!(
             kinds(h.judge(&b, Outcome::Events(v), Instant::now())),
-            ["ok", "ok", "reject", "held"]
+            ["ok", "ok", "retry", "held"]
         );
         // refusals with a success behind them are the events'
-        let b = keyed_batch(3, &["a", "b", "c", "d"]);
+        std::thread::sleep(Duration::from_millis(2));
+        let b = keyed_batch(3, &["a", "b", "x", "d"]);
         let v = vec![ok(), no(), no(), ok()];
         assert_eq!(
             kinds(h.judge(&b, Outcome::Events(v), Instant::now())),
             ["ok", "reject", "reject", "ok"]
+        );
+        // refused again at the end of a batch, with a success since: final
+        let b = keyed_batch(2, &["a", "b", "c"]); // (the same event: ids are key and place)
+        let v = vec![ok(), ok(), no()];
+        assert_eq!(
+            kinds(h.judge(&b, Outcome::Events(v), Instant::now())),
+            ["ok", "ok", "reject"]
         );
     }
 
