@@ -277,14 +277,17 @@ pub fn host_of(url: &str) -> &str {
 /// - throttling (429, or 503 with a Retry-After: load shed): never the events' fault,
 ///   whatever else the sink does: they go back unsent and the sink is slowed;
 /// - a sink that is unavailable, refuses our credentials or moved (401, 403, 404, 407, 410,
-///   502, 503, 504, a CDN's 520-530 for an origin it cannot reach, redirects), or our
-///   connection or headers (421, 426, 431: the sink's settings): about the sink. Refused
-///   credentials (401, 407), connection settings (421, 426) and "unavailable" (503: an
-///   instance shutting down in a rolling deploy, a load balancer with no instance ready) are
-///   never blamed on the events (a secret rotated on some of the receiver's instances, some
-///   instances mid-deploy while the others deliver); the others may be, on a sink
+///   502, 503, 504, 511, a CDN's 520-530 for an origin it cannot reach, redirects), or our
+///   request's form, which no event changes (405, 411, 414, 415, 417, 421, 426, 431, 505:
+///   the method, the URL, the content type, the connection, the headers): about the sink.
+///   Refused credentials (401, 407, 511), the request's form (but 415 and 431) and
+///   "unavailable" (503: an instance shutting down in a rolling deploy, a load balancer with
+///   no instance ready) are never blamed on the events (a secret rotated on some of the
+///   receiver's instances, some instances mid-deploy while the others deliver, a URL changed
+///   for some); the others may be, on a sink
 ///   shown healthy (a 403 from a firewall that reads bodies, a 404 for an entity the event
-///   names, a 431 for an event's trace headers, a 502 from a receiver that crashed on it);
+///   names, a 415 from a receiver that could not read its body, a 431 for an event's trace
+///   headers, a 502 from a receiver that crashed on it);
 /// - 408, 409, 423, 425 (busy with the same event, locked, too early) and other 5xx may be
 ///   caused by the events, or pass: retried per key, with backoff;
 /// - any other 4xx (400, 413, 422, ...) refuses the events for good, as far as the sink says
@@ -299,12 +302,12 @@ pub fn judge_failure(reply: &Reply, what: &str, n: usize) -> Outcome {
     match reply.status {
         429 => Outcome::all(n, Verdict::Unsent { error, retry_after }),
         503 if retry_after.is_some() => Outcome::all(n, Verdict::Unsent { error, retry_after }),
-        401 | 407 | 421 | 426 | 503 => Outcome::SinkDown {
+        401 | 405 | 407 | 411 | 414 | 417 | 421 | 426 | 503 | 505 | 511 => Outcome::SinkDown {
             error,
             retry_after,
             blameable: false,
         },
-        403 | 404 | 410 | 431 | 502 | 504 | 520..=530 | 300..=399 => Outcome::SinkDown {
+        403 | 404 | 410 | 415 | 431 | 502 | 504 | 520..=530 | 300..=399 => Outcome::SinkDown {
             error,
             retry_after,
             blameable: true,
@@ -321,7 +324,23 @@ pub fn refuses_for_good(status: u16) -> bool {
     (400..500).contains(&status)
         && !matches!(
             status,
-            401 | 403 | 404 | 407 | 408 | 409 | 410 | 421 | 423 | 425 | 426 | 429 | 431
+            401 | 403
+                | 404
+                | 405
+                | 407
+                | 408
+                | 409
+                | 410
+                | 411
+                | 414
+                | 415
+                | 417
+                | 421
+                | 423
+                | 425
+                | 426
+                | 429
+                | 431
         )
 }
 
@@ -408,7 +427,7 @@ mod tests {
             retry_after: None,
             body: String::new(),
         };
-        for status in [403, 404, 410, 431, 502, 504, 521, 530, 301] {
+        for status in [403, 404, 410, 415, 431, 502, 504, 521, 530, 301] {
             assert!(matches!(
                 judge_failure(&reply(status), "x", 1),
                 Outcome::SinkDown {
@@ -418,7 +437,7 @@ mod tests {
             ));
         }
         // never the events': our credentials or connection settings refused, or unavailable
-        for status in [401, 407, 421, 426, 503] {
+        for status in [401, 405, 407, 411, 414, 417, 421, 426, 503, 505, 511] {
             assert!(matches!(
                 judge_failure(&reply(status), "x", 1),
                 Outcome::SinkDown {
