@@ -139,7 +139,7 @@ DECLARE
     lo_seq bigint := CASE WHEN pg_current_xact_id_if_assigned() IS NULL
                           THEN coalesce(pg_sequence_last_value('outbox.event_seq'), 0) ELSE restored END;
     x      xid8 := pg_current_xact_id();
-    lo     pg_snapshot := pg_current_snapshot();
+    lo     pg_snapshot := outbox_internal._bound_snapshot(x);
     lo_top xid8 := outbox_internal._top(lo, x);
 BEGIN
     PERFORM outbox_internal._not_null(name IS NULL, 'name', 'outbox.create_consumer');

@@ -185,6 +185,24 @@ BEGIN
 END
 $$;
 
+-- A bound's snapshot, taken after xid x, its own transaction's: pg_current_snapshot() leaves
+-- x out of its in-progress list, so when a later transaction ended before it (xmax above x)
+-- it reads x as finished, and x's events as read already by a window that ends there
+-- (_pending; part (a) of the window), though x has not committed. In progress it is.
+CREATE OR REPLACE FUNCTION outbox_internal._bound_snapshot(x xid8) RETURNS pg_snapshot
+    LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    snap pg_snapshot := pg_current_snapshot();
+BEGIN
+    IF x >= pg_snapshot_xmax(snap) THEN
+        RETURN snap;  -- as in almost every bound: read as in progress already
+    END IF;
+    RETURN (least(pg_snapshot_xmin(snap), x)::text || ':' || pg_snapshot_xmax(snap)::text || ':'
+            || array_to_string(ARRAY(SELECT t FROM pg_snapshot_xip(snap) AS t UNION SELECT x ORDER BY 1), ','))::pg_snapshot;
+END
+$$;
+
 -- The top of a bound taken with snapshot snap after xid x: every xid below it was finished or
 -- in progress then, every xid from it on was assigned after the bound's seq was read.
 CREATE OR REPLACE FUNCTION outbox_internal._top(snap pg_snapshot, x xid8) RETURNS xid8
@@ -232,7 +250,7 @@ BEGIN
         seq_end := cur.restored_seq;
     ELSE
         cur.hi_seq := seq_mark;
-        cur.hi_snap := pg_current_snapshot();
+        cur.hi_snap := outbox_internal._bound_snapshot(x);
         seq_end := coalesce(pg_sequence_last_value('outbox.event_seq'), 0);
         cur.hi_top := outbox_internal._top(cur.hi_snap, x);
         SELECT coalesce(array_agg(t ORDER BY t), '{}'),

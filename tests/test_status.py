@@ -46,3 +46,18 @@ def test_events_in_the_default_partition_are_reported(db):
     assert status(db)[7] == 1
     db.execute("SELECT * FROM outbox.maintain()")
     assert status(db)[7] == 0
+
+
+def test_an_event_emitted_before_create_consumer_in_its_transaction_is_pending_until_read(db, connect):
+    """The consumer's first bound leaves its own transaction out of the snapshot's in-progress
+    list: with a later transaction ended before it (as on any busy primary), the snapshot read
+    that transaction as finished, so its own event as read already: claims delivered it, but
+    status showed nothing pending, and DROP EXTENSION or maintain() could take it."""
+    maker = connect(autocommit=False)
+    maker.execute("SELECT outbox.emit('order', 'k', 'e', '{}')")
+    connect().execute("SELECT pg_current_xact_id()")     # a later transaction, ended
+    maker.execute("SELECT outbox.create_consumer('sink')")
+    maker.commit()
+    assert status(db)[0] == 1
+    assert [e.aggregate_id for e in Relay(db, "sink").drain()] == ["k"]
+    assert status(db)[0] == 0
