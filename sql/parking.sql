@@ -218,7 +218,9 @@ $$;
 -- batch had never been claimed: kept, its earlier events would be queued behind the failed one.
 -- (If a replay queued a dead letter of the key meanwhile, the key stays parked for it, with
 -- nothing counted and due at once: the replay's, not the batch's.)
--- A key parked before (its head handed out and nacked) keeps its queue and the attempt counted,
+-- A key parked before (its head handed out and nacked) keeps its queue and the attempt counted
+-- (but for a head nacked behind another of the batch's heads: those went out together, at no
+-- attempt counted, and the first did not fail: nothing stays counted),
 -- less the copies of this page's events: the next claim may read a smaller page, and a copy
 -- beyond it would go out from the queue and again from the log. A key that rode and failed at
 -- an event of the page (counted at that event's copy as its head: _fail_keys) is due again at
@@ -254,7 +256,13 @@ BEGIN
             OR EXISTS (SELECT FROM outbox._parked_events q
                         WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
                           AND q.pos = p.nacked_pos AND q.id = ANY (ids)
-                       OFFSET 0));  -- a lookup by the key's queue position, not a semi-join
+                       OFFSET 0)  -- a lookup by the key's queue position, not a semi-join
+            -- or a head of the batch came before the one that failed: heads go out together
+            -- only at no attempt counted, and the first did not fail
+            OR EXISTS (SELECT FROM outbox._parked_events q
+                        WHERE q.aggregate_id = p.aggregate_id AND q.consumer_id = c.id
+                          AND q.pos < p.nacked_pos AND q.id = ANY (cur.heads)
+                       OFFSET 0));
     WITH unparked AS (
         DELETE FROM outbox._parked p
          WHERE p.consumer_id = c.id AND p.shard = cur.shard AND p.nacked_epoch = cur.epoch

@@ -225,7 +225,14 @@ BEGIN
            (SELECT (b.f).event_id FROM before b
              WHERE (b.f).final AND (b.f).seq = b.failed_from
                AND EXISTS (SELECT FROM outbox._parked_events q
-                            WHERE q.consumer_id = c.id AND q.id = (b.f).event_id)
+                            WHERE q.consumer_id = c.id AND q.id = (b.f).event_id
+                              -- first of the batch's events in its queue, as a nack puts it
+                              -- (a replay queues it behind those the reject queued)
+                              AND NOT EXISTS (SELECT FROM outbox._parked_events o
+                                               WHERE o.consumer_id = c.id AND o.aggregate_id = q.aggregate_id
+                                                 AND o.pos < q.pos
+                                                 AND (o.id IN (SELECT e.id FROM unnest(batch) e)
+                                                      OR o.id = ANY (cur.heads))))
                AND EXISTS (SELECT FROM outbox._parked p
                             WHERE p.consumer_id = c.id AND p.aggregate_id = (b.f).aggregate_id
                               AND p.nacked_epoch = cur.epoch)

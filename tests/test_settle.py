@@ -416,15 +416,18 @@ def test_a_reject_of_an_event_nacked_in_its_batch_is_refused_not_ignored(db, rel
     assert dead(db) == [] and parked(db) == {a: [0, 1]}
 
 
-def test_a_rejected_event_replayed_then_listed_final_again_is_not_refused(db, relay):
-    """A reject dead-letters the event, a replay queues it again while the batch is out, and the
-    relay's settle lists it final, as it said before: nothing to refuse (the replay stands)."""
+@pytest.mark.parametrize("events", [1, 2])
+def test_a_rejected_event_replayed_then_listed_final_again_is_not_refused(db, relay, events):
+    """A reject dead-letters the event, a replay queues it again while the batch is out (behind
+    the key's later event, queued by the reject), and the relay's settle lists it final, as it
+    said before: nothing to refuse (the replay stands). (With a later event, the replayed copy
+    was taken for one a nack had queued: refused with 22023.)"""
     a, = keys_in_shard(db, 7, 1)
-    batch, by_key = emit_batch(db, relay, {a: 1})
+    batch, by_key = emit_batch(db, relay, {a: events})
     db.execute("SELECT outbox.reject('sink', %s, %s, %s, 'HTTP 422')", (batch[0].shard, batch[0].epoch, by_key[a][0].id))
     db.execute("SELECT outbox.replay('sink')")
     relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(by_key[a][0], "HTTP 422", final=True)])
-    assert dead(db) == [] and parked(db) == {a: [0]}
+    assert dead(db) == [] and parked(db) == {a: list(range(1, events)) + [0]}
 
 
 def test_an_event_listed_as_retried_and_as_final_in_one_settle_is_dead_lettered(db, relay):
@@ -858,6 +861,26 @@ def test_a_riding_key_given_back_after_a_failure_of_its_page_counts_nothing(db, 
     assert db.execute("SELECT attempts, next_attempt_at <= now() FROM outbox._parked").fetchone() == (0, True)
     assert [(e.aggregate_id, e.payload["i"]) for e in relay.drain()] == [(a, 1), (a, 2), (a, 3), (other, 0), (a, 4)]
     assert parked(db) == {}
+
+
+def test_a_later_head_nacked_then_given_back_charges_nothing_to_the_heads_before_it(db, relay):
+    """A key catching up hands out its queue's heads together (only at no attempt counted);
+    the third is nacked, then the batch given back: as if never claimed, the key is due at once
+    with nothing counted. (The nack's attempt and hour stayed, charged to the first head,
+    which had not failed: it went out alone, an attempt from its dead letter.)"""
+    (k,) = keys_in_shard(db, 9, 1)
+    batch, by_key = emit_batch(db, relay, {k: 4})
+    relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(by_key[k][0], "HTTP 503", retry_after="0")])
+    head = relay.claim()
+    assert [(e.payload["i"], e.attempt) for e in head] == [(0, 2)]
+    relay.ack(head[0].shard, head[0].epoch)
+    heads = relay.claim()
+    assert [e.payload["i"] for e in heads] == [1, 2, 3]
+    relay.nack(heads[1], "HTTP 503", retry_after="1 hour")
+    relay.release(heads[0].shard, heads[0].epoch)
+    assert db.execute("SELECT attempts, next_attempt_at <= now() FROM outbox._parked").fetchone() == (0, True)
+    again = relay.claim()
+    assert [(e.payload["i"], e.attempt) for e in again] == [(1, 1), (2, 1), (3, 1)]
 
 
 def test_a_failure_behind_a_replay_into_a_riding_keys_queue_is_not_charged_to_the_replayed_event(db, relay):
