@@ -190,6 +190,32 @@ def test_steady_throttling_of_single_requests_dead_letters_nothing(conn, new_sin
         peer.receiver.close()
 
 
+def test_a_receiver_asking_to_wait_gets_no_request_before_its_retry_after(conn, new_sink):
+    """A 429 with Retry-After: 2 to the first request of a batch sent one event per request:
+    nothing more goes to the receiver before the 2 s are over, neither the rest of the batch
+    nor another batch. (The rest of the batch went on at once, a request per key.)"""
+    seen: list[float] = []
+    lock = threading.Lock()
+
+    def fault(_request):
+        with lock:
+            seen.append(time.monotonic())
+            return (429, {"retry-after": "2"}, b"slow down") if len(seen) == 1 else None
+    peer = Misbehaving(fault)
+    try:
+        sink = new_sink("webhook", peer.receiver.url, format="single", batch_size=20, **SHORT_POLICY)
+        emitted = {}
+        with conn.transaction():                  # one shard, one transaction: one batch
+            for k in keys_in_shard(conn, 9, 10):
+                emitted[k] = emit(conn, k, 1)
+        wait_for(lambda: len(peer.receiver.accepted_events()) >= 10, timeout=20)
+        assert seen[1] - seen[0] >= 1.9, f"a request {seen[1] - seen[0]:.3f} s after the 429"
+        check_delivery(emitted, peer.receiver.accepted_events())
+        assert status(conn, sink)["dead_letters"] == 0
+    finally:
+        peer.receiver.close()
+
+
 @pytest.mark.parametrize("answer", [(401, b"signature does not match"), (503, b"shutting down")],
                          ids=["401 old secret", "503 mid-deploy"])
 def test_one_instance_of_the_receiver_failing_on_its_own_blames_no_event(conn, new_sink, answer):
@@ -404,6 +430,31 @@ def test_a_key_that_fails_among_healthy_ones_is_still_dead_lettered(conn, new_si
         assert {e["aggregate_id"] for e in receiver.accepted_events()} - {f"good{i}" for i in range(20)} == set()
     finally:
         stop.set()
+        receiver.close()
+
+
+def test_a_probe_goes_past_an_event_that_crashes_the_receiver_to_the_keys_behind_it(conn, new_sink):
+    """The first thing a new sink is sent is an event its receiver crashes on (a 502 from the
+    proxy in front), other keys' events behind it in its shard and nothing else to send: the
+    sink is suspended. Its probes went no further than that event, every time, so the keys
+    behind it waited for as long as nothing else came; a probe goes on past it now."""
+    poison, *others = keys_in_shard(conn, 9, 3)
+    receiver = Receiver(lambda r: (502, {}, b"bad gateway")
+                        if any(e["aggregate_id"] == poison for e in r.events()) else (200, {}, b""))
+    try:
+        sink = new_sink("webhook", receiver.url, format="single", **SHORT_POLICY)
+        emitted = {}
+        with conn.transaction():                    # one batch: the poisoned event first
+            emit(conn, poison, 1)
+            for k in others:
+                emitted[k] = emit(conn, k, 1)
+        try:
+            wait_for(lambda: len(receiver.accepted_events()) >= 2, timeout=10)
+        except AssertionError:
+            raise AssertionError(f"the keys behind it never came: {status(conn, sink)}")
+        check_delivery(emitted, receiver.accepted_events())
+        assert status(conn, sink)["dead_letters"] == 0
+    finally:
         receiver.close()
 
 

@@ -254,6 +254,24 @@ impl Outcome {
             }
         }
     }
+
+    /// The sink's ask to wait, if it made one: a verdict unsent with a Retry-After (a 429, a
+    /// 503 shedding load). The batch then sends nothing more: what is left waits as asked.
+    pub fn asks_to_wait(&self) -> Option<Verdict> {
+        let waits = |v: &&Verdict| {
+            matches!(
+                v,
+                Verdict::Unsent {
+                    retry_after: Some(_),
+                    ..
+                }
+            )
+        };
+        match self {
+            Outcome::Events(verdicts) => verdicts.iter().find(waits).cloned(),
+            Outcome::SinkDown { .. } => None,
+        }
+    }
 }
 
 /// A sink ready to deliver: its configuration and how it reaches the sink.
@@ -305,7 +323,10 @@ impl Client {
     pub fn deliver(&self, events: &[Event], deadline: Instant, probe: bool) -> Outcome {
         let started = Instant::now();
         let alone = |e: &Event| (e.attempt > 1 || probe) && self.config.kind != Kind::Kafka;
-        let mut tally = Tally::new(events.len());
+        let mut tally = match probe {
+            true => Tally::probing(events.len()),
+            false => Tally::new(events.len()),
+        };
         // routed away first: skipped whether or not the batch stops before their group
         let (routed, skipped): (Vec<usize>, Vec<usize>) =
             (0..events.len()).partition(|&i| self.config.routes(&events[i]));
@@ -331,12 +352,20 @@ impl Client {
             }
             let part: Vec<&Event> = routed.iter().map(|&i| &events[i]).collect();
             let outcome = self.send(&part, (started, deadline));
-            if let Outcome::Events(verdicts) = &outcome {
-                let failed = routed.iter().zip(verdicts).filter(|(_, v)| v.is_failure());
-                failed_keys.extend(failed.map(|(&i, _)| events[i].aggregate_id.as_str()));
-            }
+            let failed: Vec<usize> = match &outcome {
+                Outcome::Events(verdicts) => (routed.iter().zip(verdicts))
+                    .filter(|(_, v)| v.is_failure())
+                    .map(|(&i, _)| i)
+                    .collect(),
+                Outcome::SinkDown { .. } => routed.clone(), // (a probe goes on past it)
+            };
+            failed_keys.extend(failed.iter().map(|&i| events[i].aggregate_id.as_str()));
+            let wait = outcome.asks_to_wait();
             if let Some(stop) = tally.record(&routed, outcome) {
                 return stop;
+            }
+            if let Some(wait) = wait {
+                return tally.finish_with(wait); // its retried heads wait too
             }
         }
         tally.finish()
@@ -374,9 +403,15 @@ pub fn out_of_time(config: &Config, deadline: Instant) -> bool {
 /// events that request carried marked Down (Verdict::Down), for the worker to judge; later
 /// batches find the sink down at their first request too, and are given back whole unless
 /// the sink is shown healthy.
+///
+/// A probe of a suspended sink (`probing`) sends each event alone and goes on past one that
+/// finds the sink down in a way it may have caused (a 502 from a receiver that crashes on it,
+/// a timeout): stopped there, every probe would test that event first and nothing behind it,
+/// and a sink whose only work lies behind a poisoned event would stay suspended for good.
 pub struct Tally {
     verdicts: Vec<Option<Verdict>>,
     any_sent: bool,
+    probing: bool,
 }
 
 impl Tally {
@@ -384,6 +419,14 @@ impl Tally {
         Tally {
             verdicts: vec![None; n],
             any_sent: false,
+            probing: false,
+        }
+    }
+
+    pub fn probing(n: usize) -> Tally {
+        Tally {
+            probing: true,
+            ..Tally::new(n)
         }
     }
 
@@ -396,6 +439,20 @@ impl Tally {
     /// Down, and only while nothing of the batch has gone through; the rest go back unsent.
     pub fn record(&mut self, indexes: &[usize], outcome: Outcome) -> Option<Outcome> {
         let verdicts = outcome.into_verdicts(indexes.len());
+        let blameable_alone = |v: &[Verdict]| {
+            matches!(
+                v,
+                [Verdict::Down {
+                    blameable: true,
+                    ..
+                }]
+            )
+        };
+        if self.probing && !self.any_sent && blameable_alone(&verdicts) {
+            // (a probe goes on: health.rs judges the Down with what came after it)
+            self.verdicts[indexes[0]] = verdicts.into_iter().next();
+            return None;
+        }
         let unsent = verdicts.iter().find_map(Verdict::unsent_if_down);
         for (&i, v) in indexes.iter().zip(verdicts) {
             self.any_sent |= v == Verdict::Delivered;
@@ -684,6 +741,34 @@ mod tests {
         assert_eq!(v[3], Verdict::Skipped, "routed away");
         let requests = requests.load(std::sync::atomic::Ordering::SeqCst);
         assert_eq!(requests, 1, "only the first request was made");
+    }
+
+    #[test]
+    fn a_probe_goes_on_past_an_event_that_found_the_sink_down_as_it_may_have_made_it() {
+        let mut tally = Tally::probing(3);
+        assert_eq!(tally.record(&[0], down()), None, "a 502, a timeout: go on");
+        assert_eq!(
+            tally.record(&[1], Outcome::all(1, Verdict::Delivered)),
+            None
+        );
+        let unreached = Outcome::SinkDown {
+            error: "connection refused".into(),
+            retry_after: None,
+            blameable: false,
+        };
+        let Some(Outcome::Events(v)) = tally.record(&[2], unreached) else {
+            panic!("nothing it carried made it: stop");
+        };
+        assert!(matches!(&v[0], Verdict::Unsent { .. }), "{v:?}");
+        assert_eq!(v[1], Verdict::Delivered);
+        assert!(matches!(&v[2], Verdict::Unsent { .. }), "{v:?}");
+        let mut tally = Tally::probing(2);
+        assert_eq!(tally.record(&[0], down()), None);
+        let Outcome::Events(v) = tally.finish() else {
+            panic!("verdicts")
+        };
+        assert!(matches!(&v[0], Verdict::Down { .. }), "{v:?}");
+        assert!(matches!(&v[1], Verdict::Unsent { .. }), "{v:?}");
     }
 
     #[test]

@@ -43,7 +43,9 @@
 //! anything ends the suspension, so a poisoned batch among healthy ones costs little), a
 //! small batch sent one event per request, on a backoff (0.25 s doubling to 2 s, or the
 //! sink's Retry-After clamped to 0.1 s .. 5 min). The first probe that delivers anything
-//! resumes the sink at full concurrency; its failed events are then blamed as usual. A probe
+//! resumes the sink at full concurrency; its failed events are then blamed as usual (but one
+//! that found the sink down: a probe goes on past it, sinks::Tally, and it waits uncounted,
+//! remembered as failing about itself: probe_past_down). A probe
 //! that could test only one key, because that key's events were all the sink had to send (say
 //! a poisoned key is the first thing a new sink is sent, and the events behind it are in the
 //! same shard), lets that key wait uncounted instead of giving it back: given back, the next
@@ -246,12 +248,14 @@ impl Health {
             self.probe = None;
         }
         let verdicts = outcome.into_verdicts(batch.events.len());
+        if verdicts.contains(&Verdict::Delivered) && verdicts.iter().any(is_down) {
+            return self.probe_past_down(batch, verdicts, started, now);
+        }
         if let Some((error, retry_after)) = verdicts.iter().find_map(down) {
             // the sink was found down with nothing of the batch through (sinks::Tally): only
             // the events that request carried are blamed, only if the sink is shown healthy,
             // and only for a failure they may have caused (blamed); the others (heads to go
             // alone, routed away) keep their verdicts
-            let is_down = |v: &Verdict| matches!(v, Verdict::Down { .. });
             // with them, the batch's events the sink answered about before it was found down
             // (a webhook's single events, earlier Kafka REST rounds): theirs only if each is
             let answered: Vec<&crate::sinks::Event> = (batch.events.iter().zip(&verdicts))
@@ -267,7 +271,22 @@ impl Health {
                 .windows(2)
                 .all(|w| w[0].aggregate_id == w[1].aggregate_id);
             let evidence_later = evidence != Evidence::Nothing || one_key;
-            self.remember(answered_ids.iter().map(|id| (*id, evidence_later)), now);
+            // (a failure nothing it carried can cause, no connection or our credentials
+            // refused, says nothing about an event, then or later)
+            let could_be_theirs = |v: &Verdict| {
+                about_the_event(v)
+                    || matches!(
+                        v,
+                        Verdict::Down {
+                            blameable: true,
+                            ..
+                        }
+                    )
+            };
+            let remembered = (batch.events.iter().zip(&verdicts))
+                .filter(|(_, v)| is_down(v) || about_the_event(v))
+                .map(|(e, v)| (e.id.as_str(), evidence_later && could_be_theirs(v)));
+            self.remember(remembered, now);
             match evidence {
                 Evidence::TheirOwn => {
                     return Judgement::Settle(verdicts.into_iter().map(blamed).collect())
@@ -283,15 +302,7 @@ impl Health {
             return self.give_back(error, retry_after, was_probe, now);
         }
         if verdicts.contains(&Verdict::Delivered) {
-            let verdicts = unproven_tail_unsent(batch, verdicts, |id| self.refused_before(id));
-            self.delivered(started, now);
-            self.remember(failures(batch, &verdicts), now);
-            if let Some(retry_after) = verdicts.iter().find_map(unsent_retry_after) {
-                // throttled partway: what went through is acked, the rest waits uncounted
-                let pause = retry_after.map_or(SLOW_DOWN, clamp_retry_after);
-                self.slowed_until = Some(now + pause);
-            }
-            return Judgement::Settle(verdicts);
+            return self.partly_delivered(batch, verdicts, started, now);
         }
         // what the sink said of each key's first failure (a held-back event says nothing)
         let said: Vec<(&crate::sinks::Event, &Verdict)> = (batch.events.iter().zip(&verdicts))
@@ -320,6 +331,9 @@ impl Health {
         // failing every request
         let about_events = said.iter().filter(|(_, v)| about_the_event(v));
         self.note_failing(about_events.map(|(e, _)| e.aggregate_id.as_str()));
+        if evidence != Evidence::Nothing {
+            self.throttled(&verdicts, now); // settled, not given back: still asked to wait
+        }
         match evidence {
             Evidence::TheirOwn => return Judgement::Settle(verdicts),
             Evidence::LoneKey => {
@@ -339,6 +353,46 @@ impl Health {
             return Judgement::Settle(unsent(verdicts, &error, retry_after));
         }
         self.give_back(error, retry_after, was_probe, now)
+    }
+
+    /// A batch that delivered some events: the sink takes events. Its failures are the events'
+    /// but for an unproven tail (unproven_tail_unsent).
+    fn partly_delivered(
+        &mut self,
+        batch: &Batch,
+        verdicts: Vec<Verdict>,
+        started: Instant,
+        now: Instant,
+    ) -> Judgement {
+        let verdicts = unproven_tail_unsent(batch, verdicts, |id| self.refused_before(id));
+        self.delivered(started, now);
+        self.remember(failures(batch, &verdicts), now);
+        self.throttled(&verdicts, now); // what went through is acked, the rest waits
+        Judgement::Settle(verdicts)
+    }
+
+    /// A probe that went on past events that found the sink down (sinks::Tally) and then
+    /// delivered: the sink takes events again and resumes. Those events wait, uncounted (the
+    /// sink may have been coming back just then), and are remembered as failing about
+    /// themselves: failing so again after a success, they are theirs.
+    fn probe_past_down(
+        &mut self,
+        batch: &Batch,
+        verdicts: Vec<Verdict>,
+        started: Instant,
+        now: Instant,
+    ) -> Judgement {
+        let downs: Vec<String> = (batch.events.iter().zip(&verdicts))
+            .filter(|(_, v)| is_down(v))
+            .map(|(e, _)| e.id.clone())
+            .collect();
+        let verdicts = verdicts
+            .into_iter()
+            .map(|v| v.unsent_if_down().unwrap_or(v))
+            .collect();
+        let judgement = self.partly_delivered(batch, verdicts, started, now);
+        self.remember(downs.iter().map(|id| (id.as_str(), true)), now);
+        judgement
     }
 
     /// One key's events failed, answered as about them, soon after a success, and no other
@@ -472,6 +526,15 @@ impl Health {
 
     /// A sink that says when to come back is not asked before then, suspended or not: returns
     /// the earliest time it may be asked again.
+    /// A batch settled with events unsent (throttled, or not sent for a reason of the sink's):
+    /// no new claims for the sink's Retry-After, or SLOW_DOWN without one.
+    fn throttled(&mut self, verdicts: &[Verdict], now: Instant) {
+        if let Some(retry_after) = verdicts.iter().find_map(unsent_retry_after) {
+            let until = now + retry_after.map_or(SLOW_DOWN, clamp_retry_after);
+            self.slowed_until = Some(self.slowed_until.map_or(until, |t| t.max(until)));
+        }
+    }
+
     fn slow_down(&mut self, retry_after: Option<Duration>, now: Instant) -> Instant {
         if let Some(retry_after) = retry_after {
             let until = now + clamp_retry_after(retry_after);
@@ -493,6 +556,10 @@ fn one_key_about_it(said: &[(&crate::sinks::Event, &Verdict)]) -> bool {
         said.iter()
             .all(|(e, v)| e.aggregate_id == first.aggregate_id && about_the_event(v))
     })
+}
+
+fn is_down(v: &Verdict) -> bool {
+    matches!(v, Verdict::Down { .. })
 }
 
 /// A failure the sink answered as about the event (not "unsent", not decided before sending).
@@ -1047,6 +1114,106 @@ mod tests {
             })
             .collect();
         b
+    }
+
+    #[test]
+    fn an_event_that_found_the_sink_unreachable_is_no_suspect_later() {
+        let mut h = Health::default();
+        let t0 = Instant::now();
+        let refused_connection = Outcome::SinkDown {
+            error: "connection refused".into(),
+            retry_after: None,
+            blameable: false,
+        };
+        let j = h.judge(&batch(1, &["e"]), refused_connection, t0);
+        assert!(gave_back(&j), "{j:?}");
+        let back = t0 + Duration::from_millis(1);
+        h.judge(&batch(2, &["y"]), Outcome::all(1, Verdict::Delivered), back);
+        // its first refusal since is its first as about itself: not final
+        let j = h.judge(
+            &batch(1, &["e"]),
+            refused(1),
+            back + Duration::from_millis(1),
+        );
+        assert!(
+            matches!(&j, Judgement::Settle(v) if matches!(v[0], Verdict::Retry { .. })),
+            "{j:?}"
+        );
+    }
+
+    #[test]
+    fn a_probe_that_delivers_past_an_event_that_found_the_sink_down_resumes_it() {
+        let mut h = Health::default();
+        let t0 = Instant::now();
+        let crashed = || Verdict::Down {
+            error: "HTTP 502".into(),
+            retry_after: None,
+            blameable: true,
+        };
+        let not_sent = Verdict::Unsent {
+            error: "not sent".into(),
+            retry_after: None,
+        };
+        let j = h.judge(
+            &batch(1, &["p", "a"]),
+            Outcome::Events(vec![crashed(), not_sent]),
+            t0,
+        );
+        assert!(gave_back(&j), "{j:?}");
+        let probe = batch(1, &["p", "a"]);
+        h.probe_sent(&probe, false);
+        let at = t0 + Duration::from_millis(1);
+        let j = h.judge(
+            &probe,
+            Outcome::Events(vec![crashed(), Verdict::Delivered]),
+            at,
+        );
+        let Judgement::Settle(v) = j else {
+            panic!("{j:?}")
+        };
+        assert!(matches!(&v[0], Verdict::Unsent { .. }), "uncounted: {v:?}");
+        assert_eq!(h.state, State::Healthy);
+        // p fails so again after a success since: its own
+        std::thread::sleep(Duration::from_millis(2));
+        h.judge(
+            &batch(2, &["y"]),
+            Outcome::all(1, Verdict::Delivered),
+            Instant::now(),
+        );
+        let j = h.judge(
+            &batch(1, &["p"]),
+            Outcome::Events(vec![crashed()]),
+            Instant::now(),
+        );
+        assert!(
+            matches!(&j, Judgement::Settle(v) if matches!(v[0], Verdict::Retry { .. })),
+            "{j:?}"
+        );
+    }
+
+    #[test]
+    fn a_batch_all_throttled_while_another_delivered_still_slows_the_sink() {
+        let mut h = Health::default();
+        let t0 = Instant::now();
+        let later = t0 + Duration::from_millis(1);
+        h.judge(
+            &batch(2, &["y"]),
+            Outcome::all(1, Verdict::Delivered),
+            later,
+        );
+        let asked = Verdict::Unsent {
+            error: "HTTP 429".into(),
+            retry_after: Some(Duration::from_secs(2)),
+        };
+        let j = h.judge(&batch(1, &["a", "b"]), Outcome::all(2, asked), t0);
+        assert!(matches!(j, Judgement::Settle(_)), "{j:?}");
+        assert_eq!(
+            h.claims(Instant::now(), 0),
+            Claims::None,
+            "asked to wait 2 s"
+        );
+        let after = Instant::now() + Duration::from_millis(2100);
+        assert_eq!(h.claims(after, 0), Claims::Full);
     }
 
     #[test]
