@@ -8,7 +8,10 @@
 -- transaction took that transaction for finished once a later one had ended (a snapshot
 -- leaves its own transaction out): claims delivered the event, but status showed nothing
 -- pending, and DROP EXTENSION or maintain() could take it. Every bound's snapshot now holds
--- its own transaction in progress.
+-- its own transaction in progress. A later head of a catching-up key nacked, then its batch
+-- given back, left the nack's attempt and backoff on the first head, which had not failed; and
+-- a settle listing an event final after a reject and a replay of its key was refused when the
+-- key had a later event in the batch.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.40.0'" to load this file. \quit
 
 -- (a consumer being made keeps its partitions; so does a session with track_activities off)
