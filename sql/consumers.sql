@@ -19,9 +19,12 @@ CREATE TABLE IF NOT EXISTS outbox.consumers (
     id           int         GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     name         text        NOT NULL UNIQUE,
     max_attempts int         NOT NULL DEFAULT 10 CHECK (max_attempts >= 1),
-    backoff_base interval    NOT NULL DEFAULT '1 second' CHECK (backoff_base > '0'),
-    backoff_max  interval    NOT NULL DEFAULT '10 minutes' CHECK (backoff_max > '0'),
-    created_at   timestamptz NOT NULL DEFAULT now()
+    -- (as create_consumer checks them: outbox_admin may UPDATE them, and a backoff beyond
+    -- what _backoff computes would fail every settle of a failure)
+    backoff_base interval    NOT NULL DEFAULT '1 second' CHECK (backoff_base > '0' AND backoff_base <= '30 days'),
+    backoff_max  interval    NOT NULL DEFAULT '10 minutes' CHECK (backoff_max > '0' AND backoff_max <= '30 days'),
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT consumers_backoff_check CHECK (backoff_base <= backoff_max)
 );
 
 COMMENT ON TABLE outbox.consumers IS

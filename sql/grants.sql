@@ -44,6 +44,47 @@
 -- holds secrets: only outbox_admin and outbox_worker (which delivers with them) read it;
 -- relays see a sink's health through outbox.status, which shows no URL or secret.
 
+-- Take every privilege on the extension's objects from every role but their owner and our four
+-- (whose privileges the rest of this file sets). CREATE EXTENSION applies the installing
+-- role's default privileges (ALTER DEFAULT PRIVILEGES, in any schema) to every object its
+-- script makes: ALL on tables for an application role, a common set-up, gave that role TRIGGER
+-- on tables the SECURITY DEFINER functions write as the owner, whose trigger then ran as the
+-- owner. Partitions made later are stripped as they are made (_revoke_all).
+CREATE OR REPLACE FUNCTION outbox_internal._revoke_strangers() RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    statement text;
+BEGIN
+    FOR statement IN
+        WITH ours AS (SELECT n.oid FROM pg_namespace n WHERE n.nspname IN ('outbox', 'inbox', 'outbox_internal')),
+             objects (kind, name, owner, acl) AS (
+                 SELECT CASE c.relkind WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END, c.oid::regclass::text,
+                        c.relowner, c.relacl
+                   FROM pg_class c WHERE c.relnamespace IN (SELECT o.oid FROM ours o)
+                 UNION ALL
+                 SELECT 'ROUTINE', p.oid::regprocedure::text, p.proowner, p.proacl
+                   FROM pg_proc p WHERE p.pronamespace IN (SELECT o.oid FROM ours o)
+                 UNION ALL
+                 SELECT 'TYPE', t.oid::regtype::text, t.typowner, t.typacl
+                   FROM pg_type t WHERE t.typnamespace IN (SELECT o.oid FROM ours o) AND t.typcategory <> 'A'
+                 UNION ALL
+                 SELECT 'SCHEMA', quote_ident(n.nspname), n.nspowner, n.nspacl
+                   FROM pg_namespace n WHERE n.oid IN (SELECT o.oid FROM ours o))
+        SELECT DISTINCT format('REVOKE ALL ON %s %s FROM %s', o.kind, o.name,
+                               CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END)
+          FROM objects o, aclexplode(o.acl) a
+         WHERE a.grantee <> o.owner
+           AND NOT (o.kind = 'TYPE' AND a.grantee = 0)  -- PUBLIC's by default, as for any type
+           AND a.grantee NOT IN (SELECT r.oid FROM pg_roles r
+                                  WHERE r.rolname IN ('outbox_producer', 'outbox_relay', 'outbox_admin', 'outbox_worker'))
+    LOOP
+        EXECUTE statement;
+    END LOOP;
+END
+$$;
+SELECT outbox_internal._revoke_strangers();
+
 REVOKE ALL ON SCHEMA outbox, inbox, outbox_internal
     FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;
 REVOKE ALL ON ALL TABLES IN SCHEMA outbox, inbox, outbox_internal

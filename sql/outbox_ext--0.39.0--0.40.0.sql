@@ -353,3 +353,68 @@ BEGIN
     RETURN kept;
 END
 $$;
+
+-- (the installer's default privileges reach no object of the extension)
+CREATE OR REPLACE FUNCTION outbox_internal._revoke_strangers() RETURNS void
+    LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    statement text;
+BEGIN
+    FOR statement IN
+        WITH ours AS (SELECT n.oid FROM pg_namespace n WHERE n.nspname IN ('outbox', 'inbox', 'outbox_internal')),
+             objects (kind, name, owner, acl) AS (
+                 SELECT CASE c.relkind WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END, c.oid::regclass::text,
+                        c.relowner, c.relacl
+                   FROM pg_class c WHERE c.relnamespace IN (SELECT o.oid FROM ours o)
+                 UNION ALL
+                 SELECT 'ROUTINE', p.oid::regprocedure::text, p.proowner, p.proacl
+                   FROM pg_proc p WHERE p.pronamespace IN (SELECT o.oid FROM ours o)
+                 UNION ALL
+                 SELECT 'TYPE', t.oid::regtype::text, t.typowner, t.typacl
+                   FROM pg_type t WHERE t.typnamespace IN (SELECT o.oid FROM ours o) AND t.typcategory <> 'A'
+                 UNION ALL
+                 SELECT 'SCHEMA', quote_ident(n.nspname), n.nspowner, n.nspacl
+                   FROM pg_namespace n WHERE n.oid IN (SELECT o.oid FROM ours o))
+        SELECT DISTINCT format('REVOKE ALL ON %s %s FROM %s', o.kind, o.name,
+                               CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END)
+          FROM objects o, aclexplode(o.acl) a
+         WHERE a.grantee <> o.owner
+           AND NOT (o.kind = 'TYPE' AND a.grantee = 0)  -- PUBLIC's by default, as for any type
+           AND a.grantee NOT IN (SELECT r.oid FROM pg_roles r
+                                  WHERE r.rolname IN ('outbox_producer', 'outbox_relay', 'outbox_admin', 'outbox_worker'))
+    LOOP
+        EXECUTE statement;
+    END LOOP;
+END
+$$;
+SELECT outbox_internal._revoke_strangers();
+REVOKE ALL ON FUNCTION outbox_internal._revoke_strangers() FROM PUBLIC;
+
+-- (settings an admin may write are bounded, as create_consumer and the docs bound them: none
+-- may make maintain() or a settle fail or run without end; values beyond them are brought
+-- within first: a width with months becomes the days maintain() took it for)
+UPDATE outbox.partition_config
+   SET width = least(justify_hours(make_interval(secs => extract(epoch FROM width))), interval '366 days'),
+       ahead = least(ahead, 100000),
+       retention = least(retention, interval '100 years')
+ WHERE width > interval '366 days' OR date_part('month', width) <> 0 OR date_part('year', width) <> 0
+    OR ahead > 100000 OR retention > interval '100 years';
+ALTER TABLE outbox.partition_config
+    DROP CONSTRAINT partition_config_width_check,
+    DROP CONSTRAINT partition_config_ahead_check,
+    DROP CONSTRAINT partition_config_retention_check,
+    ADD CONSTRAINT partition_config_width_check CHECK (width > '0' AND width <= '366 days'
+                                       AND date_part('month', width) = 0 AND date_part('year', width) = 0),
+    ADD CONSTRAINT partition_config_ahead_check CHECK (ahead >= 0 AND ahead <= 100000),
+    ADD CONSTRAINT partition_config_retention_check CHECK (retention >= '0' AND retention <= '100 years');
+UPDATE outbox.consumers
+   SET backoff_max = least(backoff_max, interval '30 days'),
+       backoff_base = least(backoff_base, backoff_max, interval '30 days')
+ WHERE backoff_max > interval '30 days' OR backoff_base > least(backoff_max, interval '30 days');
+ALTER TABLE outbox.consumers
+    DROP CONSTRAINT consumers_backoff_base_check,
+    DROP CONSTRAINT consumers_backoff_max_check,
+    ADD CONSTRAINT consumers_backoff_base_check CHECK (backoff_base > '0' AND backoff_base <= '30 days'),
+    ADD CONSTRAINT consumers_backoff_max_check CHECK (backoff_max > '0' AND backoff_max <= '30 days'),
+    ADD CONSTRAINT consumers_backoff_check CHECK (backoff_base <= backoff_max);

@@ -18,11 +18,16 @@
 -- default partitions' rows, create ahead, seal, trim): a change to one phase is one CREATE OR
 -- REPLACE in an upgrade script.
 
+-- Bounded so that no setting an admin may write makes maintain() (run by the worker, as the
+-- owner) work without end: a width of days and times only (a month's length varies: '1 mon
+-- -28 days' advances by nothing in February), partitions ahead and a retention whose times
+-- stay in range.
 CREATE TABLE IF NOT EXISTS outbox.partition_config (
     parent    regclass PRIMARY KEY,
-    width     interval NOT NULL CHECK (width > '0'),
-    ahead     int      NOT NULL DEFAULT 2 CHECK (ahead >= 0),
-    retention interval NOT NULL CHECK (retention >= '0'),
+    width     interval NOT NULL CHECK (width > '0' AND width <= '366 days'
+                                       AND date_part('month', width) = 0 AND date_part('year', width) = 0),
+    ahead     int      NOT NULL DEFAULT 2 CHECK (ahead >= 0 AND ahead <= 100000),
+    retention interval NOT NULL CHECK (retention >= '0' AND retention <= '100 years'),
     detach    boolean  NOT NULL DEFAULT false
 );
 COMMENT ON TABLE outbox.partition_config IS

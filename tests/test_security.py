@@ -264,6 +264,44 @@ def test_no_role_holds_trigger_truncate_or_references_and_partitions_hold_no_gra
     db.execute("ALTER DEFAULT PRIVILEGES IN SCHEMA outbox, inbox REVOKE ALL ON TABLES FROM admin_user, PUBLIC")
 
 
+STRANGERS_PRIVILEGES = """
+    SELECT kind, name, grantee FROM (
+        SELECT 'relation' AS kind, c.oid::regclass::text AS name, c.relowner AS owner, a.grantee
+          FROM pg_class c, aclexplode(c.relacl) a WHERE c.relnamespace::regnamespace::text = ANY (%(schemas)s)
+        UNION ALL
+        SELECT 'routine', p.oid::regprocedure::text, p.proowner, a.grantee
+          FROM pg_proc p, aclexplode(p.proacl) a WHERE p.pronamespace::regnamespace::text = ANY (%(schemas)s)
+        UNION ALL
+        SELECT 'type', t.oid::regtype::text, t.typowner, a.grantee
+          FROM pg_type t, aclexplode(t.typacl) a WHERE t.typnamespace::regnamespace::text = ANY (%(schemas)s)
+        UNION ALL
+        SELECT 'schema', n.nspname::text, n.nspowner, a.grantee
+          FROM pg_namespace n, aclexplode(n.nspacl) a WHERE n.nspname::text = ANY (%(schemas)s)) x
+     WHERE grantee <> owner AND NOT (kind = 'type' AND grantee = 0)
+       AND (grantee = 0 OR grantee::regrole::text NOT IN ('outbox_producer', 'outbox_relay', 'outbox_admin', 'outbox_worker'))
+     ORDER BY 1, 2, 3"""
+SCHEMAS = {"schemas": ["outbox", "inbox", "outbox_internal"]}
+
+
+def test_the_installers_default_privileges_reach_no_object_of_the_extension(cluster, new_database):
+    """ALTER DEFAULT PRIVILEGES of the role that runs CREATE EXTENSION applies to the objects
+    its script makes: with ALL on tables for an application role (a common set-up), that role
+    held TRIGGER on outbox._cursor_log, whose trigger the next claim ran as the owner."""
+    name = new_database()
+    with cluster.connect(name) as db:
+        for kind, grant in [("TABLES", "ALL"), ("SEQUENCES", "ALL"), ("FUNCTIONS", "EXECUTE"),
+                            ("TYPES", "USAGE"), ("SCHEMAS", "USAGE, CREATE")]:
+            db.execute(f"ALTER DEFAULT PRIVILEGES GRANT {grant} ON {kind} TO producer_user, PUBLIC")
+        db.execute("CREATE EXTENSION outbox_ext")
+        assert db.execute(STRANGERS_PRIVILEGES, SCHEMAS).fetchall() == []
+        db.execute("GRANT outbox_producer TO producer_user")
+        with cluster.connect(name, "producer_user") as user:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                user.execute("CREATE TRIGGER t BEFORE INSERT ON outbox._cursor_log "
+                             "FOR EACH ROW EXECUTE FUNCTION suppress_redundant_updates_trigger()")
+        db.execute("REVOKE outbox_producer FROM producer_user")
+
+
 def test_upgrade_from_0_5_0_takes_back_the_grants(cluster, new_database):
     name = new_database()
     with cluster.connect(name) as db:

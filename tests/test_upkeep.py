@@ -252,3 +252,18 @@ def test_a_role_of_ours_that_someone_else_may_grant_is_refused(cluster, new_data
             conn.execute("REVOKE outbox_admin FROM early_friend")
     with cluster.connect(new_database()) as db:
         db.execute("CREATE EXTENSION outbox_ext")
+
+
+@pytest.mark.parametrize("setting", [
+    "partition_config SET ahead = 2000000000",            # maintain() made a series of 2e9 times
+    "partition_config SET width = '1 mon -28 days'",       # advances by nothing in February
+    "partition_config SET width = '100000 days'",          # bounds out of range: every run failed
+    "partition_config SET retention = '1000000 years'",    # now() - retention out of range
+    "consumers SET backoff_max = '1000000 days'",          # every settle of a failure failed
+    "consumers SET backoff_base = '2 hours', backoff_max = '1 hour'",
+])
+def test_an_admin_cannot_write_a_setting_that_stops_maintain_or_settles(db, connect, setting):
+    db.execute("SELECT outbox.create_consumer('c')")
+    admin = connect("admin_user")
+    with pytest.raises(psycopg.errors.CheckViolation):
+        admin.execute(f"UPDATE outbox.{setting}")
