@@ -1,6 +1,10 @@
 -- outbox_ext 0.39.0 -> 0.40.0
 --
--- Why: maintain() could drop a partition past retention whose events a consumer being made
+-- Why: CREATE EXTENSION applied the installing role's default privileges to the extension's
+-- objects: a role granted ALL on tables by them held TRIGGER on tables the SECURITY DEFINER
+-- functions write as the owner (every such privilege is taken back now). outbox_admin could
+-- write partition and retry settings that stopped maintain() or failed every settle of a
+-- failure (the tables' checks bound them now). maintain() could drop a partition past retention whose events a consumer being made
 -- (from the beginning, or with a transaction under way that wrote there) was to read: its
 -- cursor is invisible until it commits. A run now waits for consumers being made (a second at
 -- most) and holds new ones off until it commits; a session with track_activities off keeps
