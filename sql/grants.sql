@@ -49,8 +49,10 @@
 -- role's default privileges (ALTER DEFAULT PRIVILEGES, in any schema) to every object its
 -- script makes: ALL on tables for an application role, a common set-up, gave that role TRIGGER
 -- on tables the SECURITY DEFINER functions write as the owner, whose trigger then ran as the
--- owner. Partitions made later are stripped as they are made (_revoke_all).
-CREATE OR REPLACE FUNCTION outbox_internal._revoke_strangers() RETURNS void
+-- owner. Partitions made later are stripped as they are made (_revoke_all). An upgrade
+-- (made_only) takes back only what the objects were made with (pg_init_privs): a grant an
+-- operator made since (SELECT on outbox.status to a dashboard's role) stays.
+CREATE OR REPLACE FUNCTION outbox_internal._revoke_strangers(made_only boolean) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -58,18 +60,18 @@ DECLARE
 BEGIN
     FOR statement IN
         WITH ours AS (SELECT n.oid FROM pg_namespace n WHERE n.nspname IN ('outbox', 'inbox', 'outbox_internal')),
-             objects (kind, name, owner, acl) AS (
-                 SELECT CASE c.relkind WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END, c.oid::regclass::text,
-                        c.relowner, c.relacl
+             objects (catalog, id, kind, name, owner, acl) AS (
+                 SELECT 'pg_class'::regclass, c.oid, CASE c.relkind WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END,
+                        c.oid::regclass::text, c.relowner, c.relacl
                    FROM pg_class c WHERE c.relnamespace IN (SELECT o.oid FROM ours o)
                  UNION ALL
-                 SELECT 'ROUTINE', p.oid::regprocedure::text, p.proowner, p.proacl
+                 SELECT 'pg_proc'::regclass, p.oid, 'ROUTINE', p.oid::regprocedure::text, p.proowner, p.proacl
                    FROM pg_proc p WHERE p.pronamespace IN (SELECT o.oid FROM ours o)
                  UNION ALL
-                 SELECT 'TYPE', t.oid::regtype::text, t.typowner, t.typacl
+                 SELECT 'pg_type'::regclass, t.oid, 'TYPE', t.oid::regtype::text, t.typowner, t.typacl
                    FROM pg_type t WHERE t.typnamespace IN (SELECT o.oid FROM ours o) AND t.typcategory <> 'A'
                  UNION ALL
-                 SELECT 'SCHEMA', quote_ident(n.nspname), n.nspowner, n.nspacl
+                 SELECT 'pg_namespace'::regclass, n.oid, 'SCHEMA', quote_ident(n.nspname), n.nspowner, n.nspacl
                    FROM pg_namespace n WHERE n.oid IN (SELECT o.oid FROM ours o))
         SELECT DISTINCT format('REVOKE ALL ON %s %s FROM %s', o.kind, o.name,
                                CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END)
@@ -78,12 +80,20 @@ BEGIN
            AND NOT (o.kind = 'TYPE' AND a.grantee = 0)  -- PUBLIC's by default, as for any type
            AND a.grantee NOT IN (SELECT r.oid FROM pg_roles r
                                   WHERE r.rolname IN ('outbox_producer', 'outbox_relay', 'outbox_admin', 'outbox_worker'))
+           AND (NOT made_only
+                OR EXISTS (SELECT FROM pg_init_privs i, aclexplode(i.initprivs) m
+                            WHERE i.classoid = o.catalog AND i.objoid = o.id AND i.objsubid = 0
+                              AND m.grantee = a.grantee))
     LOOP
+        IF made_only THEN
+            RAISE WARNING 'outbox_ext: %, which the installing role''s default privileges gave', statement
+                USING HINT = 'Grant a role of outbox_ext (outbox_producer, outbox_relay, outbox_admin) instead.';
+        END IF;
         EXECUTE statement;
     END LOOP;
 END
 $$;
-SELECT outbox_internal._revoke_strangers();
+SELECT outbox_internal._revoke_strangers(false);
 
 REVOKE ALL ON SCHEMA outbox, inbox, outbox_internal
     FROM PUBLIC, outbox_producer, outbox_relay, outbox_admin, outbox_worker;

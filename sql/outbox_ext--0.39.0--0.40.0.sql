@@ -2,20 +2,21 @@
 --
 -- Why: CREATE EXTENSION applied the installing role's default privileges to the extension's
 -- objects: a role granted ALL on tables by them held TRIGGER on tables the SECURITY DEFINER
--- functions write as the owner (every such privilege is taken back now). outbox_admin could
--- write partition and retry settings that stopped maintain() or failed every settle of a
--- failure (the tables' checks bound them now). maintain() could drop a partition past retention whose events a consumer being made
--- (from the beginning, or with a transaction under way that wrote there) was to read: its
--- cursor is invisible until it commits. A run now waits for consumers being made (a second at
--- most) and holds new ones off until it commits; a session with track_activities off keeps
--- every partition past retention, as it keeps seals. A consumer made after an emit in the same
--- transaction took that transaction for finished once a later one had ended (a snapshot
--- leaves its own transaction out): claims delivered the event, but status showed nothing
--- pending, and DROP EXTENSION or maintain() could take it. Every bound's snapshot now holds
--- its own transaction in progress. A later head of a catching-up key nacked, then its batch
--- given back, left the nack's attempt and backoff on the first head, which had not failed; and
--- a settle listing an event final after a reject and a replay of its key was refused when the
--- key had a later event in the batch.
+-- functions write as the owner (those the objects were made with are taken back now; grants
+-- made since stay). outbox_admin could write partition and retry settings that stopped
+-- maintain() or failed every settle of a failure (the tables' checks bound them now).
+-- maintain() could drop a partition past retention whose events a consumer being made (from
+-- the beginning, or with a transaction under way that wrote there) was to read: its cursor is
+-- invisible until it commits. A partition about to go is kept while one is being made, and the
+-- run holds new ones off until it commits (it trims cursor rows first); a session with
+-- track_activities off keeps every partition past retention, as it keeps seals. A consumer
+-- made after an emit in the same transaction took that transaction for finished once a later
+-- one had ended (a snapshot leaves its own transaction out): claims delivered the event, but
+-- status showed nothing pending, and DROP EXTENSION or maintain() could take it. Every bound's
+-- snapshot now holds its own transaction in progress. A later head of a catching-up key
+-- nacked, then its batch given back, left the nack's attempt and backoff on the first head,
+-- which had not failed; and a settle listing an event final after a reject and a replay of its
+-- key was refused when the key had a later event in the batch.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.40.0'" to load this file. \quit
 
 -- (a consumer being made keeps its partitions; so does a session with track_activities off)
@@ -25,29 +26,38 @@ AS $$
 DECLARE
     pending boolean;
     pid     int;
+    again   boolean;
 BEGIN
     SELECT a.pid INTO pid FROM pg_stat_activity a
      WHERE a.xact_start < _partition_pending.upper ORDER BY a.xact_start LIMIT 1;
     IF FOUND THEN
         RETURN format('transaction of backend %s, open since before the partition ends, may still write to it', pid);
     END IF;
-    IF EXISTS (SELECT FROM pg_stat_activity a WHERE a.state = 'disabled') THEN
+    IF EXISTS (SELECT FROM pg_stat_activity a WHERE a.state = 'disabled' AND a.pid <> pg_backend_pid()) THEN
         RETURN 'a session with track_activities off may have a transaction open since before the partition ends';
     END IF;
     IF EXISTS (SELECT FROM pg_locks l WHERE l.relation = part AND l.pid IS DISTINCT FROM pg_backend_pid()) THEN
         RETURN 'an open or prepared transaction has written to it';
     END IF;
-    LOCK TABLE outbox.consumers IN SHARE MODE;
-    EXECUTE format(
-        'SELECT EXISTS (SELECT FROM outbox._shards s
-                          CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
-                                               WHERE l.consumer_id = s.consumer_id AND l.shard = s.shard
-                                               ORDER BY l.pos DESC LIMIT 1) AS cur
-                         WHERE EXISTS (SELECT FROM %s e WHERE e.shard = s.shard
-                                          AND e.seq > outbox_internal._pending_floor(cur.l)
-                                          AND outbox_internal._pending(cur.l, e.txid, e.seq)))', part)
-        INTO pending;
-    RETURN CASE WHEN pending THEN 'a consumer has not read all its events' END;
+    FOREACH again IN ARRAY ARRAY[false, true] LOOP
+        IF again THEN
+            LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE;
+            LOCK TABLE outbox.consumers IN SHARE MODE NOWAIT;
+        END IF;
+        EXECUTE format(
+            'SELECT EXISTS (SELECT FROM outbox._shards s
+                              CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
+                                                   WHERE l.consumer_id = s.consumer_id AND l.shard = s.shard
+                                                   ORDER BY l.pos DESC LIMIT 1) AS cur
+                             WHERE EXISTS (SELECT FROM %s e WHERE e.shard = s.shard
+                                              AND e.seq > outbox_internal._pending_floor(cur.l)
+                                              AND outbox_internal._pending(cur.l, e.txid, e.seq)))', part)
+            INTO pending;
+        IF pending THEN
+            RETURN 'a consumer has not read all its events';
+        END IF;
+    END LOOP;
+    RETURN NULL;
 END
 $$;
 
@@ -276,17 +286,19 @@ BEGIN
            (SELECT (b.f).event_id FROM before b
              WHERE (b.f).final AND (b.f).seq = b.failed_from
                AND EXISTS (SELECT FROM outbox._parked_events q
+                             JOIN outbox._parked p
+                               ON p.consumer_id = c.id AND p.aggregate_id = q.aggregate_id
+                              AND p.nacked_epoch = cur.epoch
                             WHERE q.consumer_id = c.id AND q.id = (b.f).event_id
-                              -- first of the batch's events in its queue, as a nack puts it
-                              -- (a replay queues it behind those the reject queued)
-                              AND NOT EXISTS (SELECT FROM outbox._parked_events o
-                                               WHERE o.consumer_id = c.id AND o.aggregate_id = q.aggregate_id
-                                                 AND o.pos < q.pos
-                                                 AND (o.id IN (SELECT e.id FROM unnest(batch) e)
-                                                      OR o.id = ANY (cur.heads))))
-               AND EXISTS (SELECT FROM outbox._parked p
-                            WHERE p.consumer_id = c.id AND p.aggregate_id = (b.f).aggregate_id
-                              AND p.nacked_epoch = cur.epoch)
+                              -- the copy the nack queued: a head's (or rider's) is the one
+                              -- it names; a window event's, the first of the batch's events in
+                              -- its queue (a replay queues one behind those a reject queued)
+                              AND (q.pos = p.nacked_pos
+                                   OR (p.nacked_pos IS NULL
+                                       AND NOT EXISTS (SELECT FROM outbox._parked_events o
+                                                        WHERE o.consumer_id = c.id AND o.aggregate_id = q.aggregate_id
+                                                          AND o.pos < q.pos
+                                                          AND o.id IN (SELECT e.id FROM unnest(batch) e)))))
              LIMIT 1),
            ARRAY(SELECT b.f FROM before b WHERE b.failed_from IS NULL)
       INTO early, retried, fresh;
@@ -359,7 +371,7 @@ END
 $$;
 
 -- (the installer's default privileges reach no object of the extension)
-CREATE OR REPLACE FUNCTION outbox_internal._revoke_strangers() RETURNS void
+CREATE OR REPLACE FUNCTION outbox_internal._revoke_strangers(made_only boolean) RETURNS void
     LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -367,18 +379,18 @@ DECLARE
 BEGIN
     FOR statement IN
         WITH ours AS (SELECT n.oid FROM pg_namespace n WHERE n.nspname IN ('outbox', 'inbox', 'outbox_internal')),
-             objects (kind, name, owner, acl) AS (
-                 SELECT CASE c.relkind WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END, c.oid::regclass::text,
-                        c.relowner, c.relacl
+             objects (catalog, id, kind, name, owner, acl) AS (
+                 SELECT 'pg_class'::regclass, c.oid, CASE c.relkind WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END,
+                        c.oid::regclass::text, c.relowner, c.relacl
                    FROM pg_class c WHERE c.relnamespace IN (SELECT o.oid FROM ours o)
                  UNION ALL
-                 SELECT 'ROUTINE', p.oid::regprocedure::text, p.proowner, p.proacl
+                 SELECT 'pg_proc'::regclass, p.oid, 'ROUTINE', p.oid::regprocedure::text, p.proowner, p.proacl
                    FROM pg_proc p WHERE p.pronamespace IN (SELECT o.oid FROM ours o)
                  UNION ALL
-                 SELECT 'TYPE', t.oid::regtype::text, t.typowner, t.typacl
+                 SELECT 'pg_type'::regclass, t.oid, 'TYPE', t.oid::regtype::text, t.typowner, t.typacl
                    FROM pg_type t WHERE t.typnamespace IN (SELECT o.oid FROM ours o) AND t.typcategory <> 'A'
                  UNION ALL
-                 SELECT 'SCHEMA', quote_ident(n.nspname), n.nspowner, n.nspacl
+                 SELECT 'pg_namespace'::regclass, n.oid, 'SCHEMA', quote_ident(n.nspname), n.nspowner, n.nspacl
                    FROM pg_namespace n WHERE n.oid IN (SELECT o.oid FROM ours o))
         SELECT DISTINCT format('REVOKE ALL ON %s %s FROM %s', o.kind, o.name,
                                CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(pg_get_userbyid(a.grantee)) END)
@@ -387,13 +399,19 @@ BEGIN
            AND NOT (o.kind = 'TYPE' AND a.grantee = 0)  -- PUBLIC's by default, as for any type
            AND a.grantee NOT IN (SELECT r.oid FROM pg_roles r
                                   WHERE r.rolname IN ('outbox_producer', 'outbox_relay', 'outbox_admin', 'outbox_worker'))
+           AND (NOT made_only
+                OR EXISTS (SELECT FROM pg_init_privs i, aclexplode(i.initprivs) m
+                            WHERE i.classoid = o.catalog AND i.objoid = o.id AND i.objsubid = 0
+                              AND m.grantee = a.grantee))
     LOOP
+        IF made_only THEN
+            RAISE WARNING 'outbox_ext: %, which the installing role''s default privileges gave', statement
+                USING HINT = 'Grant a role of outbox_ext (outbox_producer, outbox_relay, outbox_admin) instead.';
+        END IF;
         EXECUTE statement;
     END LOOP;
 END
 $$;
-SELECT outbox_internal._revoke_strangers();
-REVOKE ALL ON FUNCTION outbox_internal._revoke_strangers() FROM PUBLIC;
 
 -- (settings an admin may write are bounded, as create_consumer and the docs bound them: none
 -- may make maintain() or a settle fail or run without end; values beyond them are brought
@@ -419,6 +437,65 @@ UPDATE outbox.consumers
 ALTER TABLE outbox.consumers
     DROP CONSTRAINT consumers_backoff_base_check,
     DROP CONSTRAINT consumers_backoff_max_check,
+    DROP CONSTRAINT IF EXISTS consumers_backoff_check,
     ADD CONSTRAINT consumers_backoff_base_check CHECK (backoff_base > '0' AND backoff_base <= '30 days'),
     ADD CONSTRAINT consumers_backoff_max_check CHECK (backoff_max > '0' AND backoff_max <= '30 days'),
     ADD CONSTRAINT consumers_backoff_check CHECK (backoff_base <= backoff_max);
+
+-- (the run trims before it drops)
+CREATE OR REPLACE FUNCTION outbox.maintain()
+RETURNS TABLE (action text, relation text, detail text)
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    per_run CONSTANT int := 100;
+    budget  int := per_run;
+    -- the partitions, read once (reading outbox.partitions deparses every partition's bounds:
+    -- about 0.1 ms each), read again only after a phase changed them
+    parts   outbox.partitions[] := outbox_internal._partition_list();
+    cfg     outbox.partition_config;
+    step    outbox_internal._maint_step;
+    skipped text;
+BEGIN
+    IF pg_is_in_recovery() THEN
+        RETURN;  -- a replica follows its primary's maintenance
+    END IF;
+    -- a partition's events are read before it is dropped: at READ COMMITTED, with a snapshot
+    -- taken after the transactions that may write there are known to have ended
+    PERFORM outbox_internal._check_read_committed('outbox.maintain()');
+    skipped := outbox_internal._maint_lock();
+    IF skipped IS NOT NULL THEN
+        RETURN QUERY SELECT 'skipped', NULL::text, skipped;
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT * FROM outbox_internal._maint_rebase();
+    -- (before the drops: a drop_consumer waiting on the run's lock of outbox.consumers has
+    -- deleted cursor rows this trim would wait for)
+    RETURN QUERY SELECT * FROM outbox_internal._maint_trim();
+    step := outbox_internal._maint_retire(parts, budget);
+    RETURN QUERY SELECT * FROM unnest(step.rows);
+    budget := budget - step.used;
+    FOR cfg IN SELECT * FROM outbox.partition_config LOOP
+        IF step.changed THEN
+            parts := outbox_internal._partition_list();
+        END IF;
+        step := outbox_internal._maint_move_default(cfg, parts, budget);
+        RETURN QUERY SELECT * FROM unnest(step.rows);
+        budget := budget - step.used;
+        IF step.changed THEN
+            parts := outbox_internal._partition_list();
+        END IF;
+        step := outbox_internal._maint_create_ahead(cfg, parts, budget);
+        RETURN QUERY SELECT * FROM unnest(step.rows);
+        budget := budget - step.used;
+    END LOOP;
+    IF step.changed THEN
+        parts := outbox_internal._partition_list();
+    END IF;
+    PERFORM outbox_internal._maint_seal(parts);
+END
+$$;
+
+-- (last: every object of this script made first)
+SELECT outbox_internal._revoke_strangers(true);
+REVOKE ALL ON FUNCTION outbox_internal._revoke_strangers(boolean) FROM PUBLIC;

@@ -302,10 +302,13 @@ $$;
 -- and no transaction, prepared ones included, holds a lock on it (it has written there).
 -- (A session with track_activities off shows no transaction start: then nothing may go.)
 -- Then no consumer may have an event of it pending (outbox_internal._pending, sql/cursors.sql),
--- a consumer being made included: its cursor is invisible until it commits, so the run first
--- waits for consumers made or dropped (SHARE on outbox.consumers, which only they write; under
--- maintain()'s lock_timeout) and holds them off until it commits.
--- VOLATILE, so that this last read takes its snapshot after the rest: a STABLE function
+-- a consumer being made included: its cursor is invisible until it commits. So a partition
+-- about to go is read again once the run holds the parent as the drop takes it (waiting a
+-- second at most, as the drop does: no emit is under way then, none begins until the run ends)
+-- and SHARE on outbox.consumers (which create_consumer, drop_consumer and an admin's change of
+-- a retry policy write) without waiting: a consumer being made may wait behind its own
+-- transaction's emit, which waits for this run. Held until the run ends.
+-- VOLATILE, so that these reads take their snapshots after the rest: a STABLE function
 -- reads with its caller's, taken before them, which does not show the events of a transaction
 -- that ended in between (and that the first two then no longer show either).
 CREATE OR REPLACE FUNCTION outbox_internal._partition_pending(part regclass, upper timestamptz) RETURNS text
@@ -314,29 +317,38 @@ AS $$
 DECLARE
     pending boolean;
     pid     int;
+    again   boolean;
 BEGIN
     SELECT a.pid INTO pid FROM pg_stat_activity a
      WHERE a.xact_start < _partition_pending.upper ORDER BY a.xact_start LIMIT 1;
     IF FOUND THEN
         RETURN format('transaction of backend %s, open since before the partition ends, may still write to it', pid);
     END IF;
-    IF EXISTS (SELECT FROM pg_stat_activity a WHERE a.state = 'disabled') THEN
+    IF EXISTS (SELECT FROM pg_stat_activity a WHERE a.state = 'disabled' AND a.pid <> pg_backend_pid()) THEN
         RETURN 'a session with track_activities off may have a transaction open since before the partition ends';
     END IF;
     IF EXISTS (SELECT FROM pg_locks l WHERE l.relation = part AND l.pid IS DISTINCT FROM pg_backend_pid()) THEN
         RETURN 'an open or prepared transaction has written to it';
     END IF;
-    LOCK TABLE outbox.consumers IN SHARE MODE;
-    EXECUTE format(
-        'SELECT EXISTS (SELECT FROM outbox._shards s
-                          CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
-                                               WHERE l.consumer_id = s.consumer_id AND l.shard = s.shard
-                                               ORDER BY l.pos DESC LIMIT 1) AS cur
-                         WHERE EXISTS (SELECT FROM %s e WHERE e.shard = s.shard
-                                          AND e.seq > outbox_internal._pending_floor(cur.l)
-                                          AND outbox_internal._pending(cur.l, e.txid, e.seq)))', part)
-        INTO pending;
-    RETURN CASE WHEN pending THEN 'a consumer has not read all its events' END;
+    FOREACH again IN ARRAY ARRAY[false, true] LOOP
+        IF again THEN
+            LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE;
+            LOCK TABLE outbox.consumers IN SHARE MODE NOWAIT;
+        END IF;
+        EXECUTE format(
+            'SELECT EXISTS (SELECT FROM outbox._shards s
+                              CROSS JOIN LATERAL (SELECT l FROM outbox._cursor_log l
+                                                   WHERE l.consumer_id = s.consumer_id AND l.shard = s.shard
+                                                   ORDER BY l.pos DESC LIMIT 1) AS cur
+                             WHERE EXISTS (SELECT FROM %s e WHERE e.shard = s.shard
+                                              AND e.seq > outbox_internal._pending_floor(cur.l)
+                                              AND outbox_internal._pending(cur.l, e.txid, e.seq)))', part)
+            INTO pending;
+        IF pending THEN
+            RETURN 'a consumer has not read all its events';
+        END IF;
+    END LOOP;
+    RETURN NULL;
 END
 $$;
 
@@ -775,6 +787,9 @@ BEGIN
         RETURN;
     END IF;
     RETURN QUERY SELECT * FROM outbox_internal._maint_rebase();
+    -- (before the drops: a drop_consumer waiting on the run's lock of outbox.consumers has
+    -- deleted cursor rows this trim would wait for)
+    RETURN QUERY SELECT * FROM outbox_internal._maint_trim();
     step := outbox_internal._maint_retire(parts, budget);
     RETURN QUERY SELECT * FROM unnest(step.rows);
     budget := budget - step.used;
@@ -796,7 +811,6 @@ BEGIN
         parts := outbox_internal._partition_list();
     END IF;
     PERFORM outbox_internal._maint_seal(parts);
-    RETURN QUERY SELECT * FROM outbox_internal._maint_trim();
 END
 $$;
 COMMENT ON FUNCTION outbox.maintain() IS

@@ -225,17 +225,19 @@ BEGIN
            (SELECT (b.f).event_id FROM before b
              WHERE (b.f).final AND (b.f).seq = b.failed_from
                AND EXISTS (SELECT FROM outbox._parked_events q
+                             JOIN outbox._parked p
+                               ON p.consumer_id = c.id AND p.aggregate_id = q.aggregate_id
+                              AND p.nacked_epoch = cur.epoch
                             WHERE q.consumer_id = c.id AND q.id = (b.f).event_id
-                              -- first of the batch's events in its queue, as a nack puts it
-                              -- (a replay queues it behind those the reject queued)
-                              AND NOT EXISTS (SELECT FROM outbox._parked_events o
-                                               WHERE o.consumer_id = c.id AND o.aggregate_id = q.aggregate_id
-                                                 AND o.pos < q.pos
-                                                 AND (o.id IN (SELECT e.id FROM unnest(batch) e)
-                                                      OR o.id = ANY (cur.heads))))
-               AND EXISTS (SELECT FROM outbox._parked p
-                            WHERE p.consumer_id = c.id AND p.aggregate_id = (b.f).aggregate_id
-                              AND p.nacked_epoch = cur.epoch)
+                              -- the copy the nack queued: a head's (or rider's) is the one
+                              -- it names; a window event's, the first of the batch's events in
+                              -- its queue (a replay queues one behind those a reject queued)
+                              AND (q.pos = p.nacked_pos
+                                   OR (p.nacked_pos IS NULL
+                                       AND NOT EXISTS (SELECT FROM outbox._parked_events o
+                                                        WHERE o.consumer_id = c.id AND o.aggregate_id = q.aggregate_id
+                                                          AND o.pos < q.pos
+                                                          AND o.id IN (SELECT e.id FROM unnest(batch) e)))))
              LIMIT 1),
            ARRAY(SELECT b.f FROM before b WHERE b.failed_from IS NULL)
       INTO early, retried, fresh;

@@ -265,7 +265,7 @@ def test_no_role_holds_trigger_truncate_or_references_and_partitions_hold_no_gra
 
 
 STRANGERS_PRIVILEGES = """
-    SELECT kind, name, grantee FROM (
+    SELECT kind, name, CASE WHEN grantee = 0 THEN 'PUBLIC' ELSE grantee::regrole::text END FROM (
         SELECT 'relation' AS kind, c.oid::regclass::text AS name, c.relowner AS owner, a.grantee
           FROM pg_class c, aclexplode(c.relacl) a WHERE c.relnamespace::regnamespace::text = ANY (%(schemas)s)
         UNION ALL
@@ -300,6 +300,19 @@ def test_the_installers_default_privileges_reach_no_object_of_the_extension(clus
                 user.execute("CREATE TRIGGER t BEFORE INSERT ON outbox._cursor_log "
                              "FOR EACH ROW EXECUTE FUNCTION suppress_redundant_updates_trigger()")
         db.execute("REVOKE outbox_producer FROM producer_user")
+
+
+def test_an_update_takes_back_what_default_privileges_gave_and_keeps_later_grants(cluster, new_database):
+    """Installed before 0.40.0 under such default privileges, then updated: what the objects
+    were made with is taken back (with a warning); a grant an operator made since stays."""
+    from support.versions import RELEASED
+    name = new_database()
+    with cluster.connect(name) as db:
+        db.execute("ALTER DEFAULT PRIVILEGES GRANT ALL ON TABLES TO producer_user")
+        db.execute(f"CREATE EXTENSION outbox_ext VERSION '{RELEASED[-1]}'")
+        db.execute("GRANT SELECT ON outbox.status TO nobody_user")       # a dashboard's role
+        db.execute("ALTER EXTENSION outbox_ext UPDATE")
+        assert db.execute(STRANGERS_PRIVILEGES, SCHEMAS).fetchall() == [("relation", "outbox.status", "nobody_user")]
 
 
 def test_upgrade_from_0_5_0_takes_back_the_grants(cluster, new_database):

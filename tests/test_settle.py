@@ -883,6 +883,19 @@ def test_a_later_head_nacked_then_given_back_charges_nothing_to_the_heads_before
     assert [(e.payload["i"], e.attempt) for e in again] == [(1, 1), (2, 1), (3, 1)]
 
 
+def test_a_reject_of_a_later_head_nacked_in_its_batch_is_refused(db, relay):
+    (k,) = keys_in_shard(db, 9, 1)
+    batch, by_key = emit_batch(db, relay, {k: 3})
+    relay.settle(batch[0].shard, batch[0].epoch, [relay.failure(by_key[k][0], "HTTP 503", retry_after="0")])
+    head = relay.claim()
+    relay.ack(head[0].shard, head[0].epoch)
+    heads = relay.claim()
+    assert [e.payload["i"] for e in heads] == [1, 2]
+    relay.nack(heads[1], "HTTP 503")
+    with pytest.raises(psycopg.errors.InvalidParameterValue):
+        db.execute("SELECT outbox.reject('sink', %s, %s, %s, 'HTTP 422')", (heads[0].shard, heads[0].epoch, heads[1].id))
+
+
 def test_a_failure_behind_a_replay_into_a_riding_keys_queue_is_not_charged_to_the_replayed_event(db, relay):
     """A key's dead letter is replayed while the key rides in a batch (queued behind its heads),
     then one of its new events fails: once the heads are through, the replayed event heads the

@@ -360,12 +360,8 @@ impl Client {
                 Outcome::SinkDown { .. } => routed.clone(), // (a probe goes on past it)
             };
             failed_keys.extend(failed.iter().map(|&i| events[i].aggregate_id.as_str()));
-            let wait = outcome.asks_to_wait();
             if let Some(stop) = tally.record(&routed, outcome) {
-                return stop;
-            }
-            if let Some(wait) = wait {
-                return tally.finish_with(wait); // its retried heads wait too
+                return stop; // (its retried heads too)
             }
         }
         tally.finish()
@@ -404,14 +400,19 @@ pub fn out_of_time(config: &Config, deadline: Instant) -> bool {
 /// batches find the sink down at their first request too, and are given back whole unless
 /// the sink is shown healthy.
 ///
-/// A probe of a suspended sink (`probing`) sends each event alone and goes on past one that
-/// finds the sink down in a way it may have caused (a 502 from a receiver that crashes on it,
-/// a timeout): stopped there, every probe would test that event first and nothing behind it,
-/// and a sink whose only work lies behind a poisoned event would stay suspended for good.
+/// A probe of a suspended sink (`probing`) sends each event alone and goes on past one event
+/// that finds the sink down in a way it may have caused (a 502 from a receiver that crashes on
+/// it, a timeout): stopped there, every probe would test that event first and nothing behind
+/// it, and a sink whose only work lies behind a poisoned event would stay suspended for good.
+/// A second such event stops it: the sink is down, as far as two requests can tell.
+///
+/// A request the sink answers with a Retry-After (Outcome::asks_to_wait) ends the batch: what
+/// is left waits as asked.
 pub struct Tally {
     verdicts: Vec<Option<Verdict>>,
     any_sent: bool,
     probing: bool,
+    passed_down: bool,
 }
 
 impl Tally {
@@ -420,6 +421,7 @@ impl Tally {
             verdicts: vec![None; n],
             any_sent: false,
             probing: false,
+            passed_down: false,
         }
     }
 
@@ -438,6 +440,7 @@ impl Tally {
     /// when the sink is down and the batch must stop. Only the events the request carried are
     /// Down, and only while nothing of the batch has gone through; the rest go back unsent.
     pub fn record(&mut self, indexes: &[usize], outcome: Outcome) -> Option<Outcome> {
+        let wait = outcome.asks_to_wait();
         let verdicts = outcome.into_verdicts(indexes.len());
         let blameable_alone = |v: &[Verdict]| {
             matches!(
@@ -448,8 +451,9 @@ impl Tally {
                 }]
             )
         };
-        if self.probing && !self.any_sent && blameable_alone(&verdicts) {
+        if self.probing && !self.any_sent && !self.passed_down && blameable_alone(&verdicts) {
             // (a probe goes on: health.rs judges the Down with what came after it)
+            self.passed_down = true;
             self.verdicts[indexes[0]] = verdicts.into_iter().next();
             return None;
         }
@@ -457,6 +461,9 @@ impl Tally {
         for (&i, v) in indexes.iter().zip(verdicts) {
             self.any_sent |= v == Verdict::Delivered;
             self.verdicts[i] = Some(v);
+        }
+        if let (None, Some(wait)) = (&unsent, wait) {
+            return Some(self.finish_with(wait));
         }
         let unsent = unsent?;
         if self.any_sent {
@@ -769,6 +776,40 @@ mod tests {
         };
         assert!(matches!(&v[0], Verdict::Down { .. }), "{v:?}");
         assert!(matches!(&v[1], Verdict::Unsent { .. }), "{v:?}");
+        // a second event finding the sink so: down, as far as two requests can tell
+        let mut tally = Tally::probing(3);
+        assert_eq!(tally.record(&[0], down()), None);
+        let Some(Outcome::Events(v)) = tally.record(&[1], down()) else {
+            panic!("stopped at the second")
+        };
+        assert!(matches!(
+            (&v[0], &v[1]),
+            (Verdict::Down { .. }, Verdict::Down { .. })
+        ));
+        assert!(matches!(&v[2], Verdict::Unsent { .. }), "{v:?}");
+    }
+
+    #[test]
+    fn a_request_answered_with_a_retry_after_ends_the_batch() {
+        let mut tally = Tally::new(3);
+        let asked = Verdict::Unsent {
+            error: "HTTP 429".into(),
+            retry_after: Some(Duration::from_secs(2)),
+        };
+        let Some(Outcome::Events(v)) = tally.record(&[0], Outcome::all(1, asked.clone())) else {
+            panic!("the batch ends")
+        };
+        assert_eq!(v, vec![asked.clone(), asked.clone(), asked]);
+        let mut tally = Tally::new(2);
+        let throttled = Verdict::Unsent {
+            error: "HTTP 429".into(),
+            retry_after: None,
+        };
+        assert_eq!(
+            tally.record(&[0], Outcome::all(1, throttled)),
+            None,
+            "no time said"
+        );
     }
 
     #[test]

@@ -65,12 +65,8 @@ pub fn send(
             {
                 failed.push(&event.aggregate_id);
             }
-            let wait = outcome.asks_to_wait();
             if let Some(stop) = tally.record(&[i], outcome) {
                 return stop;
-            }
-            if let Some(wait) = wait {
-                return tally.finish_with(wait); // the receiver asked for less: none of the rest
             }
         }
         tally.finish()

@@ -72,7 +72,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 /// The first probe of a suspended sink comes after this; each failed probe doubles it.
 /// Short, so that a sink fixed outside our view (a receiver back, a topic made) is delivered to
-/// within about 2 s; a probe is one small request, so even a sink down for hours costs little.
+/// within about 2 s; a probe of a sink that is down is one small request (two when the first
+/// may be its event's doing: sinks::Tally), so even a sink down for hours costs little.
 const FIRST_PROBE: Duration = Duration::from_millis(250);
 const MAX_PROBE_DELAY: Duration = Duration::from_secs(2);
 /// A suspended sink's Retry-After is honoured from this on, up to RETRY_AFTER_MAX (which
@@ -123,7 +124,7 @@ pub enum Judgement {
 #[derive(Debug, PartialEq)]
 enum Evidence {
     /// Theirs: each failed before, answered as about itself, and the sink delivered since (or
-    /// the failure is certain, or a lone key's).
+    /// the failure is certain).
     TheirOwn,
     /// Only a request started after the batch's that delivered: the sink takes other events,
     /// but may have begun failing since that request was answered. Not counted.
@@ -296,10 +297,13 @@ impl Health {
                         verdicts.into_iter().map(Verdict::uncounted).collect(),
                     )
                 }
-                Evidence::LoneKey | Evidence::Nothing => {} // (never made here)
+                // (LoneKey is made only for a batch the sink answered, below)
+                Evidence::LoneKey | Evidence::Nothing => {}
             }
             self.note_failing(answered.iter().map(|e| e.aggregate_id.as_str()));
-            return self.give_back(error, retry_after, was_probe, now);
+            // (a probe that went on past a Down may have been asked to wait after it)
+            let asked = verdicts.iter().find_map(unsent_retry_after).flatten();
+            return self.give_back(error, retry_after.or(asked), was_probe, now);
         }
         if verdicts.contains(&Verdict::Delivered) {
             return self.partly_delivered(batch, verdicts, started, now);
@@ -371,10 +375,11 @@ impl Health {
         Judgement::Settle(verdicts)
     }
 
-    /// A probe that went on past events that found the sink down (sinks::Tally) and then
-    /// delivered: the sink takes events again and resumes. Those events wait, uncounted (the
-    /// sink may have been coming back just then), and are remembered as failing about
-    /// themselves: failing so again after a success, they are theirs.
+    /// A probe that went on past an event that found the sink down (sinks::Tally) and then
+    /// delivered: the sink takes events again and resumes. The event is its own if it failed
+    /// so before with a success since (as in `evidence`); else it waits, uncounted (the sink
+    /// may have been coming back just then), remembered as failing about itself before the
+    /// probe's delivery: failing so again, it is its own.
     fn probe_past_down(
         &mut self,
         batch: &Batch,
@@ -382,16 +387,24 @@ impl Health {
         started: Instant,
         now: Instant,
     ) -> Judgement {
-        let downs: Vec<String> = (batch.events.iter().zip(&verdicts))
-            .filter(|(_, v)| is_down(v))
-            .map(|(e, _)| e.id.clone())
-            .collect();
-        let verdicts = verdicts
-            .into_iter()
-            .map(|v| v.unsent_if_down().unwrap_or(v))
-            .collect();
-        let judgement = self.partly_delivered(batch, verdicts, started, now);
-        self.remember(downs.iter().map(|id| (id.as_str(), true)), now);
+        let mut waiting: Vec<String> = Vec::new();
+        let mut judged = Vec::with_capacity(verdicts.len());
+        for (e, v) in batch.events.iter().zip(verdicts) {
+            judged.push(match is_down(&v) {
+                true if self.refused_before(&e.id) => blamed(v),
+                true => {
+                    waiting.push(e.id.clone());
+                    v.unsent_if_down().unwrap_or(v)
+                }
+                false => v,
+            });
+        }
+        let judgement = self.partly_delivered(batch, judged, started, now);
+        // (stamped before the probe's delivery, which is so a success since)
+        let before = started
+            .checked_sub(Duration::from_nanos(1))
+            .unwrap_or(started);
+        self.remember(waiting.iter().map(|id| (id.as_str(), true)), before);
         judgement
     }
 
@@ -524,17 +537,16 @@ impl Health {
         }
     }
 
-    /// A sink that says when to come back is not asked before then, suspended or not: returns
-    /// the earliest time it may be asked again.
     /// A batch settled with events unsent (throttled, or not sent for a reason of the sink's):
     /// no new claims for the sink's Retry-After, or SLOW_DOWN without one.
     fn throttled(&mut self, verdicts: &[Verdict], now: Instant) {
         if let Some(retry_after) = verdicts.iter().find_map(unsent_retry_after) {
-            let until = now + retry_after.map_or(SLOW_DOWN, clamp_retry_after);
-            self.slowed_until = Some(self.slowed_until.map_or(until, |t| t.max(until)));
+            self.slow_down(Some(retry_after.unwrap_or(SLOW_DOWN)), now);
         }
     }
 
+    /// A sink that says when to come back is not asked before then, suspended or not: returns
+    /// the earliest time it may be asked again.
     fn slow_down(&mut self, retry_after: Option<Duration>, now: Instant) -> Instant {
         if let Some(retry_after) = retry_after {
             let until = now + clamp_retry_after(retry_after);
@@ -550,7 +562,7 @@ impl Health {
 }
 
 /// Whether the failures the sink reported were all of one key, and answered as about it (a
-/// 5xx, 408, or a 4xx other than 401/403/404/407/410/429).
+/// retry or a refusal: src/sinks/http.rs judge_failure says which answers are).
 fn one_key_about_it(said: &[(&crate::sinks::Event, &Verdict)]) -> bool {
     said.first().is_some_and(|(first, _)| {
         said.iter()
@@ -645,9 +657,6 @@ fn down(v: &Verdict) -> Option<(String, Option<Duration>)> {
     }
 }
 
-/// A Down verdict on a sink shown healthy: a failed attempt of its event when the event may
-/// have caused it; else (no connection, credentials refused: one bad instance of the
-/// receiver's several) it waits, uncounted. Any other verdict as it is.
 /// A refusal as a retry: counted, not final (Evidence::LoneKey).
 fn not_final(v: Verdict) -> Verdict {
     match v {
@@ -659,6 +668,9 @@ fn not_final(v: Verdict) -> Verdict {
     }
 }
 
+/// A Down verdict on a sink shown healthy: a failed attempt of its event when the event may
+/// have caused it; else (no connection, credentials refused: one bad instance of the
+/// receiver's several) it waits, uncounted. Any other verdict as it is.
 fn blamed(v: Verdict) -> Verdict {
     match v {
         Verdict::Down {
@@ -966,17 +978,16 @@ mod tests {
         h.judge(&batch(1, &["x"]), Outcome::all(1, Verdict::Delivered), t0);
         // a deploy answering 400 to everything, seen first by the only key sent: counted, so
         // its key waits out a backoff, but not dead-lettered, nor its next event after it
-        let j = h.judge(&batch(2, &["a"]), refused(1), t0 + Duration::from_millis(1));
+        let j = h.judge(&batch(2, &["a"]), refused(1), Instant::now());
         assert!(retried(&j), "{j:?}");
-        let j = h.judge(&batch(2, &["a"]), refused(1), t0 + Duration::from_millis(2));
+        let j = h.judge(&batch(2, &["a"]), refused(1), Instant::now());
         assert!(retried(&j), "refused again, nothing delivered since: {j:?}");
-        // the sink delivers other events: refused again, it is the event's
-        h.judge(
-            &batch(3, &["y"]),
-            Outcome::all(1, Verdict::Delivered),
-            t0 + Duration::from_millis(3),
-        );
-        let j = h.judge(&batch(2, &["a"]), refused(1), t0 + Duration::from_millis(4));
+        // the sink delivers other events (a request that began after): refused again, it is
+        // the event's
+        std::thread::sleep(Duration::from_millis(2));
+        let y = Instant::now();
+        h.judge(&batch(3, &["y"]), Outcome::all(1, Verdict::Delivered), y);
+        let j = h.judge(&batch(2, &["a"]), refused(1), Instant::now());
         assert!(rejected(&j), "{j:?}");
     }
 
@@ -1173,13 +1184,7 @@ mod tests {
         };
         assert!(matches!(&v[0], Verdict::Unsent { .. }), "uncounted: {v:?}");
         assert_eq!(h.state, State::Healthy);
-        // p fails so again after a success since: its own
-        std::thread::sleep(Duration::from_millis(2));
-        h.judge(
-            &batch(2, &["y"]),
-            Outcome::all(1, Verdict::Delivered),
-            Instant::now(),
-        );
+        // p fails so again: the probe's delivery was a success since, so it is its own
         let j = h.judge(
             &batch(1, &["p"]),
             Outcome::Events(vec![crashed()]),
