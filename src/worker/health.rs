@@ -777,6 +777,15 @@ mod tests {
         }
     }
 
+    /// A request that never reached the receiver (nothing it carried can have caused it).
+    fn unreachable() -> Outcome {
+        Outcome::SinkDown {
+            error: "connection refused".into(),
+            retry_after: None,
+            blameable: false,
+        }
+    }
+
     fn unsent_502() -> Verdict {
         Verdict::Unsent {
             error: "HTTP 502".into(),
@@ -930,11 +939,6 @@ mod tests {
         // while the others deliver: its requests' events wait, uncounted
         let mut h = Health::default();
         let t0 = Instant::now();
-        let refused = || Outcome::SinkDown {
-            error: "connection refused".into(),
-            retry_after: None,
-            blameable: false,
-        };
         let later = t0 + Duration::from_millis(1);
         h.judge(
             &batch(2, &["y"]),
@@ -942,7 +946,7 @@ mod tests {
             later,
         );
         // a request that started after x's delivered: shown healthy
-        let Judgement::Settle(v) = h.judge(&batch(1, &["x"]), refused(), t0) else {
+        let Judgement::Settle(v) = h.judge(&batch(1, &["x"]), unreachable(), t0) else {
             panic!("a sink shown healthy: settled, not given back");
         };
         assert!(
@@ -997,12 +1001,11 @@ mod tests {
         let t0 = Instant::now();
         h.judge(&batch(1, &["x"]), Outcome::all(1, Verdict::Delivered), t0);
         // the only key found the sink down (connection refused): suspended
-        let down = Outcome::SinkDown {
-            error: "connection refused".into(),
-            retry_after: None,
-            blameable: false,
-        };
-        let j = h.judge(&batch(2, &["a"]), down, t0 + Duration::from_millis(1));
+        let j = h.judge(
+            &batch(2, &["a"]),
+            unreachable(),
+            t0 + Duration::from_millis(1),
+        );
         assert!(gave_back(&j), "{j:?}");
         let probe = batch(3, &["a"]);
         h.probe_sent(&probe, false);
@@ -1131,12 +1134,7 @@ mod tests {
     fn an_event_that_found_the_sink_unreachable_is_no_suspect_later() {
         let mut h = Health::default();
         let t0 = Instant::now();
-        let refused_connection = Outcome::SinkDown {
-            error: "connection refused".into(),
-            retry_after: None,
-            blameable: false,
-        };
-        let j = h.judge(&batch(1, &["e"]), refused_connection, t0);
+        let j = h.judge(&batch(1, &["e"]), unreachable(), t0);
         assert!(gave_back(&j), "{j:?}");
         let back = t0 + Duration::from_millis(1);
         h.judge(&batch(2, &["y"]), Outcome::all(1, Verdict::Delivered), back);
@@ -1156,18 +1154,13 @@ mod tests {
     fn a_probe_that_delivers_past_an_event_that_found_the_sink_down_resumes_it() {
         let mut h = Health::default();
         let t0 = Instant::now();
-        let crashed = || Verdict::Down {
-            error: "HTTP 502".into(),
-            retry_after: None,
-            blameable: true,
-        };
         let not_sent = Verdict::Unsent {
             error: "not sent".into(),
             retry_after: None,
         };
         let j = h.judge(
             &batch(1, &["p", "a"]),
-            Outcome::Events(vec![crashed(), not_sent]),
+            Outcome::Events(vec![down_502(), not_sent]),
             t0,
         );
         assert!(gave_back(&j), "{j:?}");
@@ -1176,7 +1169,7 @@ mod tests {
         let at = t0 + Duration::from_millis(1);
         let j = h.judge(
             &probe,
-            Outcome::Events(vec![crashed(), Verdict::Delivered]),
+            Outcome::Events(vec![down_502(), Verdict::Delivered]),
             at,
         );
         let Judgement::Settle(v) = j else {
@@ -1187,7 +1180,7 @@ mod tests {
         // p fails so again: the probe's delivery was a success since, so it is its own
         let j = h.judge(
             &batch(1, &["p"]),
-            Outcome::Events(vec![crashed()]),
+            Outcome::Events(vec![down_502()]),
             Instant::now(),
         );
         assert!(
