@@ -769,8 +769,10 @@ DECLARE
     per_run CONSTANT int := 100;
     budget  int := per_run;
     -- the partitions, read once (reading outbox.partitions deparses every partition's bounds:
-    -- about 0.1 ms each), read again only after a phase changed them
-    parts   outbox.partitions[] := outbox_internal._partition_list();
+    -- about 0.1 ms each), read again only after a phase changed them; read after the lock
+    -- (deparsing a bound opens its partition: a run that attaches one holds the default
+    -- partition, and a second run would wait for it instead of skipping)
+    parts   outbox.partitions[];
     cfg     outbox.partition_config;
     step    outbox_internal._maint_step;
     skipped text;
@@ -786,6 +788,7 @@ BEGIN
         RETURN QUERY SELECT 'skipped', NULL::text, skipped;
         RETURN;
     END IF;
+    parts := outbox_internal._partition_list();
     RETURN QUERY SELECT * FROM outbox_internal._maint_rebase();
     -- (before the drops: a drop_consumer waiting on the run's lock of outbox.consumers has
     -- deleted cursor rows this trim would wait for)
