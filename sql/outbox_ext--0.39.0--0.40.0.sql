@@ -16,7 +16,8 @@
 -- snapshot now holds its own transaction in progress. A later head of a catching-up key
 -- nacked, then its batch given back, left the nack's attempt and backoff on the first head,
 -- which had not failed; and a settle listing an event final after a reject and a replay of its
--- key was refused when the key had a later event in the batch.
+-- key was refused when the key had a later event in the batch. A second maintain() read the
+-- partitions' bounds before its lock and waited for a first that held the default partition.
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.40.0'" to load this file. \quit
 
 -- (a consumer being made keeps its partitions; so does a session with track_activities off)
