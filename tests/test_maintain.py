@@ -132,7 +132,12 @@ def test_a_session_without_track_activities_keeps_the_partitions_past_retention(
     quiet.commit()
     actions = [(a, r) for a, r, _ in maintain(db) if r == part]
     assert actions == [("kept", part)]
+    pid = quiet.info.backend_pid
     quiet.close()
+    deadline = time.monotonic() + 10   # (a backend leaves pg_stat_activity a moment after)
+    while db.execute("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = %s)", (pid,)).fetchone()[0]:
+        assert time.monotonic() < deadline, "the session never ended"
+        time.sleep(0.02)
     assert ("dropped", part) in [(a, r) for a, r, _ in maintain(db)]
 
 
